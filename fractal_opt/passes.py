@@ -1,0 +1,181 @@
+"""Pass base class, the Layer enum, and the registry.
+
+A pass is a frozen, keyword-only dataclass: its fields are its parameters. It has a ``name``, a
+``layer``, and two pure methods: ``check(plan, machine)`` says why it cannot apply here (or
+``None``), and ``apply(plan)`` returns a new plan that differs only in the pass's own layer.
+
+Example:
+    >>> from dataclasses import dataclass
+    >>> from fractal_opt.passes import Layer, Pass, register
+    >>> @register
+    ... @dataclass(frozen=True, kw_only=True)
+    ... class Greedy(Pass):
+    ...     '''Turn sampling off.'''
+    ...     name = "doc_greedy"
+    ...     layer = Layer.APPLICATION
+    ...     def apply(self, plan):
+    ...         return plan.replace_section("application", do_sample=False)
+
+Third-party passes register through the ``fractal_opt.passes`` entry-point group: each entry
+point names a module (or class) whose import runs ``@register``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from .errors import FractalOptError, RecipeError, closest
+from .validate import build, plain
+
+if typing.TYPE_CHECKING:
+    from .machine import Machine
+    from .plan import Plan
+
+__all__ = ["Layer", "Pass", "get_pass", "passes_by_layer", "register", "registry"]
+
+ENTRY_POINT_GROUP = "fractal_opt.passes"
+
+
+class Layer(enum.IntEnum):
+    """The four layers of the tower, bottom up; passes run in this order."""
+
+    HARDWARE = 1
+    MODEL = 2
+    SCHEDULING = 3
+    APPLICATION = 4
+
+    @property
+    def section(self) -> str:
+        """The Plan section this layer owns (``"hardware"``, ...)."""
+        return self.name.lower()
+
+    @classmethod
+    def from_name(cls, name: str) -> Layer:
+        try:
+            return cls[str(name).upper()]
+        except KeyError:
+            valid = [layer.section for layer in cls]
+            msg = f"Unknown layer {name!r}. Valid layers are: {valid}.{closest(name, valid)}"
+            raise RecipeError(msg) from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pass:
+    """Base class of every optimization pass. Subclasses are frozen keyword-only dataclasses."""
+
+    name: ClassVar[str]
+    layer: ClassVar[Layer]
+
+    def check(self, plan: Plan, machine: Machine) -> str | None:
+        """Why this pass cannot apply to ``plan`` on ``machine``, or ``None`` if it can."""
+        return self.unavailable(machine)
+
+    def unavailable(self, machine: Machine) -> str | None:
+        """Why this machine cannot run the pass at all (a missing device or package), or ``None``.
+
+        ``check`` covers this and the plan-specific reasons; ``fractal-opt passes`` shows this one.
+        """
+        return None
+
+    def apply(self, plan: Plan) -> Plan:
+        """Return a new plan with this pass applied. Must not touch other layers' sections."""
+        raise NotImplementedError
+
+    def params(self) -> dict[str, Any]:
+        """The pass's parameters as a YAML-friendly dict (tuples become lists)."""
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def describe(self) -> str:
+        """``name(k=v, ...)``: how the pass shows up in reports."""
+        inner = ", ".join(f"{k}={v}" for k, v in self.params().items())
+        return f"{self.name}({inner})"
+
+    @classmethod
+    def summary(cls) -> str:
+        """The first line of the pass's docstring."""
+        return (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None, *, where: str = "") -> Pass:
+        """Build the pass from YAML values, checking names and types.
+
+        Raises:
+            RecipeError: an unknown parameter (with the valid ones and the closest match), or a
+                value of the wrong type (with the field, the value and the expected type).
+        """
+        return build(cls, params, where=where or f"pass {cls.name!r}", noun="parameter")
+
+
+# --------------------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, type[Pass]] = {}
+_loaded = False
+
+
+def register(cls: type[Pass]) -> type[Pass]:
+    """Class decorator: add a pass to the registry. Rejects duplicates and malformed passes."""
+    if not (isinstance(cls, type) and issubclass(cls, Pass)):
+        raise FractalOptError(f"@register expects a Pass subclass, got {cls!r}.")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name.isidentifier():
+        raise FractalOptError(f"{cls.__qualname__}: a pass needs a class attribute `name` that is an identifier, got {name!r}.")
+    if not isinstance(getattr(cls, "layer", None), Layer):
+        raise FractalOptError(f"Pass {name!r}: class attribute `layer` must be a Layer, got {getattr(cls, 'layer', None)!r}.")
+    params = getattr(cls, "__dataclass_params__", None)
+    if params is None or not params.frozen or "__dataclass_fields__" not in cls.__dict__:
+        raise FractalOptError(f"Pass {name!r}: decorate the class with @dataclass(frozen=True, kw_only=True) below @register.")
+    existing = _REGISTRY.get(name)
+    if existing is not None and existing is not cls:
+        msg = f"Pass name {name!r} is already registered by {existing.__module__}.{existing.__qualname__}; pass names must be unique."
+        raise FractalOptError(msg)
+    _REGISTRY[name] = cls
+    return cls
+
+
+def registry() -> dict[str, type[Pass]]:
+    """All registered passes by name: the built-in layers plus entry-point plugins."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from . import layers  # noqa: F401  (importing registers the built-in passes)
+
+        _load_entry_points()
+    return dict(_REGISTRY)
+
+
+def _load_entry_points() -> None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as e:  # a broken plugin must not break the built-in passes
+            import warnings
+
+            warnings.warn(f"fractal_opt: could not load pass plugin {ep.name!r} ({ep.value}): {e}", stacklevel=2)
+
+
+def get_pass(name: str) -> type[Pass]:
+    """The pass class registered as ``name``.
+
+    Raises:
+        RecipeError: unknown name, with the valid names and the closest match.
+    """
+    passes = registry()
+    if name not in passes:
+        valid = sorted(passes)
+        msg = f"Unknown pass {name!r}. Valid passes are: {valid}.{closest(name, valid)}"
+        raise RecipeError(msg)
+    return passes[name]
+
+
+def passes_by_layer() -> dict[Layer, list[type[Pass]]]:
+    """Registered passes grouped by layer, bottom up."""
+    grouped: dict[Layer, list[type[Pass]]] = {layer: [] for layer in Layer}
+    for cls in registry().values():
+        grouped[cls.layer].append(cls)
+    return grouped

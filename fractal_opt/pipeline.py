@@ -1,0 +1,234 @@
+"""The runner: baseline, then for each pass check -> apply -> build -> measure -> judge -> keep or roll back.
+
+Rollback is free: a pass returns a new Plan, and rolling it back means keeping the previous one.
+Every step is written to the output folder as it finishes (``trace.json``, ``report.md`` and
+``recipe.yaml`` of the best plan so far), so a failed or killed run never loses work.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .engine import Engine
+from .errors import FractalOptError
+from .machine import Machine
+from .measure import METRICS, Measurement, compare, measure, noise_bands
+from .passes import Layer, Pass
+from .plan import Plan
+from .quality import Reference, agreement, build_reference, model_probes
+from .recipe import Recipe, dump_recipe, load_recipe
+from .trace import Step, Trace
+
+__all__ = ["Pipeline", "Result", "optimize"]
+
+
+@dataclass
+class Result:
+    """What a run produced: the final plan, the trace, and the tuned recipe."""
+
+    plan: Plan
+    trace: Trace
+    recipe: Recipe
+    out_dir: Path | None = None
+
+    def _repr_html_(self) -> str:
+        return self.trace._repr_html_()
+
+
+class Progress:
+    """A live status line on stderr (a plain line per update when stderr is not a terminal)."""
+
+    def __init__(self, enabled: bool = True, stream=None):
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if not self.enabled:
+            return
+        line = f"[{time.perf_counter() - self.t0:6.1f}s] {message}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line[:200])
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def done(self, message: str) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\r\033[K")
+        self(message)
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+
+
+class Pipeline:
+    """Run a recipe: measure the baseline, then try each pass in tower order.
+
+    Args:
+        recipe: a Recipe, a path to a YAML recipe, YAML text or a dict.
+        out_dir: where trace.json, report.md and recipe.yaml are written after every step (None = nowhere).
+        progress: show a live status line on stderr.
+        machine: a probed Machine (probed here when None).
+    """
+
+    def __init__(self, recipe: Recipe | str | Path | dict, *, out_dir: str | Path | None = None, progress: bool | Callable[[str], None] = True, machine: Machine | None = None):
+        self.recipe = load_recipe(recipe)
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.progress = progress if callable(progress) else Progress(bool(progress))
+        self.machine = machine
+
+    def run(self) -> Result:
+        recipe = self.recipe
+        say = self.progress
+        machine = self.machine or Machine.probe()
+        trace = Trace(recipe=recipe.to_dict(), machine=machine.to_dict())
+        requests = recipe.workload.requests()
+        total = len(recipe.passes)
+
+        # --- baseline, measured twice (A/A) to calibrate the noise of this machine and workload
+        plan = recipe.base_plan()
+        say(f"baseline: loading {recipe.model}")
+        t0 = time.perf_counter()
+        engine = Engine.build(plan, machine=machine, progress=say, max_new_tokens=recipe.workload.max_new_tokens)
+        build_s = time.perf_counter() - t0
+        first = self._measure(engine, requests, "baseline (A/A calibration, 1 of 2)")
+        current = self._measure(engine, requests, "baseline (A/A calibration, 2 of 2)")
+        trace.calibration = {m: round(c, 4) for m in METRICS if (c := compare(first, current, m)) is not None}
+        say("baseline: scoring the reference text")
+        reference = build_reference(engine, current.outputs, recipe.quality)
+        quality_cache: dict[tuple, dict[str, float]] = {plan.numerics_key(): model_probes(reference, engine)}
+        current_quality = {**quality_cache[plan.numerics_key()], **agreement(reference, current.outputs)}
+        trace.baseline = Step(
+            pass_name="baseline", layer="-", params={}, status="baseline",
+            reason="plain transformers: " + _plan_text(plan),
+            metrics=_metrics(current, current_quality), plan=plan.to_dict(), census=engine.census(),
+            timings={"build_s": round(build_s, 2), "warmup_s": round(current.warmup_s, 2)},
+        )
+        baseline_metrics = trace.baseline.metrics
+        self._save(trace, plan, recipe)
+
+        # --- the passes, bottom up
+        for index, p in enumerate(recipe.passes, start=1):
+            label = f"[{index}/{total}] {p.layer.section}/{p.describe()}"
+            step = Step(pass_name=p.name, layer=p.layer.section, params=p.params(), status="", reason="")
+            reason = p.check(plan, machine)
+            if reason is not None:
+                step.status, step.reason = "skipped", f"check: {reason}"
+                say(f"{label}: skipped ({reason})")
+                self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
+                continue
+            candidate = p.apply(plan).with_applied(p.name)
+            try:
+                say(f"{label}: building")
+                t0 = time.perf_counter()
+                engine = Engine.build(candidate, machine=machine, progress=say, max_new_tokens=recipe.workload.max_new_tokens)
+                step.timings["build_s"] = round(time.perf_counter() - t0, 2)
+                step.census = engine.census()
+                t0 = time.perf_counter()
+                after = self._measure(engine, requests, label)
+                step.timings["warmup_s"] = round(after.warmup_s, 2)
+                step.timings["measure_s"] = round(time.perf_counter() - t0, 2)
+                key = candidate.numerics_key()
+                if key not in quality_cache:
+                    say(f"{label}: quality probes")
+                    quality_cache[key] = model_probes(reference, engine)
+                quality = {**quality_cache[key], **agreement(reference, after.outputs)}
+            except (Exception, MemoryError) as e:  # a failing pass is recorded and rolled back; the run goes on
+                step.status = "failed"
+                step.reason = f"{type(e).__name__}: {e}".strip()[:500]
+                step.timings["traceback"] = traceback.format_exc(limit=3)[-2000:]  # type: ignore[assignment]
+                say(f"{label}: failed ({step.reason[:120]})")
+                self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
+                continue
+            step.metrics = _metrics(after, quality)
+            bands = noise_bands(current, after, trace.calibration, min_effect=recipe.policy.min_effect)
+            changes = {m: compare(current, after, m) for m in METRICS}
+            before_values = {**_metrics(current, current_quality)}
+            after_values = {**step.metrics, **quality}
+            before_values.update(current_quality)
+            verdict = recipe.policy.judge(p.layer, before_values, after_values, changes, bands)
+            step.changes, step.bands = verdict.changes, verdict.bands
+            step.plan = candidate.to_dict()
+            step.status = "kept" if verdict.kept else "rolled_back"
+            step.reason = verdict.reason
+            say(f"{label}: {step.status.replace('_', ' ')} ({verdict.reason[:150]})")
+            if verdict.kept:
+                plan, current, current_quality = candidate, after, quality
+            self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
+
+        trace.finished = True
+        self._finish(trace, plan, baseline_metrics, current, current_quality)
+        self._save(trace, plan, recipe)
+        if isinstance(self.progress, Progress):
+            self.progress.done("done" + (f": results in {self.out_dir}" if self.out_dir else ""))
+        return Result(plan=plan, trace=trace, recipe=trace.to_recipe(), out_dir=self.out_dir)
+
+    # ------------------------------------------------------------------ helpers
+    def _measure(self, engine: Engine, requests, label: str) -> Measurement:
+        return measure(engine, self.recipe.workload, requests=requests, progress=lambda msg: self.progress(f"{label}: measuring, {msg}"))
+
+    def _record(self, trace: Trace, step: Step, plan: Plan, recipe: Recipe, baseline_metrics, current: Measurement, quality) -> None:
+        trace.steps.append(step)
+        self._finish(trace, plan, baseline_metrics, current, quality)
+        self._save(trace, plan, recipe)
+
+    def _finish(self, trace: Trace, plan: Plan, baseline_metrics: dict, current: Measurement, quality) -> None:
+        now = _metrics(current, quality or {})
+        vs = {}
+        for m in ("decode_tokens_per_s", "ttft_ms", "e2e_ms", "throughput_tokens_per_s", "peak_memory_mb"):
+            b, a = baseline_metrics.get(m), now.get(m)
+            if b and a is not None:
+                vs[m] = round(a / b - 1, 4)
+        kept = [f"{s.layer}/{s.pass_name}" for s in trace.steps if s.status == "kept"]
+        trace.final = {"plan": plan.to_dict(), "kept": kept, "metrics": now, "vs_baseline": vs}
+
+    def _save(self, trace: Trace, plan: Plan, recipe: Recipe) -> None:
+        if self.out_dir is None:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.out_dir / "trace.json", trace.to_json())
+        _atomic_write(self.out_dir / "report.md", trace.to_markdown())
+        header = (
+            f"# Tuned by fractal_opt from {recipe.name or recipe.model}: the kept passes only.\n"
+            "# Load it in an app with fractal_opt.Engine.from_recipe(\"recipe.yaml\").\n"
+        )
+        _atomic_write(self.out_dir / "recipe.yaml", dump_recipe(trace.to_recipe(), header=header))
+
+
+def _metrics(m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = dict(m.summary())
+    out["spread"] = m.spreads()
+    out["memory_source"] = m.memory_source
+    out["quality"] = dict(quality)
+    return out
+
+
+def _plan_text(plan: Plan) -> str:
+    hw = plan.hardware
+    return f"{hw.dtype}, {hw.attention} attention, {hw.threads or 'default'} threads, {plan.model.kv_cache} KV cache, {plan.scheduling.batching} serving"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def optimize(recipe: Recipe | str | Path | dict, *, out: str | Path | None = None, progress: bool = True) -> Result:
+    """Optimize the model a recipe names; write trace.json, report.md and recipe.yaml to ``out``.
+
+    Example:
+        >>> import fractal_opt
+        >>> result = fractal_opt.optimize("recipes/quickstart.yaml", out="fractal-out")  # doctest: +SKIP
+        >>> result.plan.scheduling.batching                                              # doctest: +SKIP
+        'static'
+    """
+    return Pipeline(recipe, out_dir=out, progress=progress).run()

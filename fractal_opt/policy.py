@@ -1,0 +1,181 @@
+"""Acceptance rules: objectives, guards and the noise band -> Verdict(kept, reason).
+
+A pass is kept when its objective improves beyond the noise band and no guard trips. Each layer
+has a natural objective because each attacks a different cost:
+
+- hardware and model: ``decode_tokens_per_s`` of one request;
+- scheduling: ``throughput_tokens_per_s`` (aggregate output tokens/s of the suite);
+- application: ``e2e_ms`` (end-to-end latency per request).
+
+Guards:
+- quality, absolute against the baseline: ``kl_mean: {max: 0.05}`` by default (bfloat16 and int8
+  weight-only stay far below it on SmolLM2; 4-bit and dynamic int8 go far above; docs/metrics.md);
+- speed and memory, relative to the previous kept plan: every number on the layer's watch list may
+  get at most ``max_regression`` (default 10%) worse beyond its noise band (the guard trips when
+  the regression exceeds max_regression + band);
+- any metric by hand in the recipe: ``{min: x}``, ``{max: x}`` or ``{max_regression: r}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import RecipeError, closest
+from .measure import METRICS
+from .passes import Layer
+
+__all__ = ["Guard", "Policy", "Verdict", "DEFAULT_OBJECTIVES"]
+
+QUALITY_METRICS: dict[str, bool] = {  # metric -> True when higher is better
+    "kl_mean": False,
+    "kl_p99": False,
+    "kl_max": False,
+    "top1_flip": False,
+    "ppl_ratio": False,
+    "agreement": True,
+}
+ALL_METRICS = {**METRICS, **QUALITY_METRICS}
+
+DEFAULT_OBJECTIVES = {
+    Layer.HARDWARE: "decode_tokens_per_s",
+    Layer.MODEL: "decode_tokens_per_s",
+    Layer.SCHEDULING: "throughput_tokens_per_s",
+    Layer.APPLICATION: "e2e_ms",
+}
+# Numbers a layer's passes must not make worse by more than max_regression (besides the objective).
+# Scheduling leaves per-request latency off the list: batching makes each request a little slower
+# and the machine much more productive; a recipe states its latency SLOs as guards instead.
+WATCH = {
+    Layer.HARDWARE: ("decode_tokens_per_s", "ttft_ms", "throughput_tokens_per_s", "peak_memory_mb"),
+    Layer.MODEL: ("decode_tokens_per_s", "ttft_ms", "throughput_tokens_per_s", "peak_memory_mb"),
+    Layer.SCHEDULING: ("throughput_tokens_per_s",),
+    Layer.APPLICATION: ("ttft_ms",),
+}
+DEFAULT_GUARDS = {"kl_mean": {"max": 0.05}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Guard:
+    """A limit on one metric: absolute ``min`` / ``max``, or ``max_regression`` vs the previous plan."""
+
+    metric: str
+    min: float | None = None
+    max: float | None = None
+    max_regression: float | None = None
+
+    def describe(self) -> str:
+        parts = [f"{k} {v:g}" for k, v in (("min", self.min), ("max", self.max), ("max_regression", self.max_regression)) if v is not None]
+        return f"{self.metric} " + ", ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """The judgement of one step, with the numbers that decided it."""
+
+    kept: bool
+    reason: str
+    changes: dict[str, float] = field(default_factory=dict)  # metric -> relative change vs previous
+    bands: dict[str, float] = field(default_factory=dict)  # metric -> noise band used
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """Recipe section ``policy``.
+
+    Attributes:
+        objective: the metric that must improve, or ``auto`` for each layer's default.
+        guards: ``{metric: {min|max|max_regression: value}}``, merged over the defaults; a metric
+            set to ``null`` removes its default guard.
+        max_regression: default limit for the numbers on each layer's watch list (0.10 = 10%).
+        min_effect: the smallest relative change that counts even on a quiet machine (0.03 = 3%).
+    """
+
+    objective: str = "auto"
+    guards: dict[str, Any] = field(default_factory=dict)
+    max_regression: float = 0.10
+    min_effect: float = 0.03
+
+    def __post_init__(self) -> None:
+        if self.objective != "auto" and self.objective not in METRICS:
+            valid = ["auto", *METRICS]
+            raise RecipeError(f"policy, key 'objective': unknown metric {self.objective!r}. Valid objectives are: {valid}.{closest(self.objective, valid)}")
+        if not isinstance(self.guards, dict):
+            raise RecipeError(f"policy, key 'guards': expected a mapping of metric -> {{min|max|max_regression: value}}, got {self.guards!r}.")
+        for metric, spec in self.guards.items():
+            if metric not in ALL_METRICS:
+                valid = sorted(ALL_METRICS)
+                raise RecipeError(f"policy.guards: unknown metric {metric!r}. Valid metrics are: {valid}.{closest(metric, valid)}")
+            if spec is None:
+                continue
+            if not isinstance(spec, dict) or not spec:
+                raise RecipeError(f"policy.guards.{metric}: expected a mapping like {{max: 0.05}}, got {spec!r}.")
+            for key, value in spec.items():
+                if key not in ("min", "max", "max_regression"):
+                    valid = ["max", "max_regression", "min"]
+                    raise RecipeError(f"policy.guards.{metric}: unknown limit {key!r}. Valid limits are: {valid}.{closest(key, valid)}")
+                if not isinstance(value, int | float) or isinstance(value, bool):
+                    raise RecipeError(f"policy.guards.{metric}.{key}: got {value!r}, expected a number.")
+        for name in ("max_regression", "min_effect"):
+            if not 0 <= getattr(self, name) < 10:
+                raise RecipeError(f"policy, key {name!r}: got {getattr(self, name)}, expected a fraction like 0.1 (= 10%).")
+
+    def objective_for(self, layer: Layer) -> str:
+        return DEFAULT_OBJECTIVES[layer] if self.objective == "auto" else self.objective
+
+    def guards_for(self, layer: Layer) -> list[Guard]:
+        """Default guards of the layer, overridden and extended by the recipe's."""
+        specs: dict[str, dict | None] = {m: {"max_regression": self.max_regression} for m in WATCH[layer] if m != self.objective_for(layer)}
+        specs.update(DEFAULT_GUARDS)
+        specs.update(self.guards)
+        return [Guard(metric=m, **spec) for m, spec in specs.items() if spec]
+
+    def judge(
+        self,
+        layer: Layer,
+        before: dict[str, float | None],
+        after: dict[str, float | None],
+        changes: dict[str, float | None],
+        bands: dict[str, float],
+    ) -> Verdict:
+        """Keep or roll back: ``before``/``after`` are metric medians (quality included),
+        ``changes`` relative changes (paired), ``bands`` the noise band per metric."""
+        objective = self.objective_for(layer)
+        trips: list[str] = []
+        for guard in self.guards_for(layer):
+            value = after.get(guard.metric)
+            if value is None:
+                continue
+            if guard.max is not None and value > guard.max:
+                trips.append(f"guard {guard.metric} max {guard.max:g} tripped: {_fmt(value)}")
+            if guard.min is not None and value < guard.min:
+                trips.append(f"guard {guard.metric} min {guard.min:g} tripped: {_fmt(value)}")
+            change = changes.get(guard.metric)
+            if guard.max_regression is not None and change is not None:
+                worse = -change if ALL_METRICS[guard.metric] else change
+                limit = guard.max_regression + bands.get(guard.metric, 0.0)  # worse beyond noise
+                if worse > limit:
+                    trips.append(f"guard {guard.metric} max_regression {guard.max_regression:.0%} tripped: {_move(guard.metric, before, after, change)}")
+        change = changes.get(objective)
+        band = bands.get(objective, self.min_effect)
+        clean = {k: round(v, 4) for k, v in changes.items() if v is not None}
+        if change is None:
+            return Verdict(kept=False, reason=f"objective {objective} could not be measured", changes=clean, bands=bands)
+        better = change if METRICS[objective] else -change
+        obj_text = f"{objective} {_move(objective, before, after, change)}, noise band ±{band:.1%}"
+        if trips:
+            return Verdict(kept=False, reason=f"{obj_text}; " + "; ".join(trips), changes=clean, bands=bands)
+        if better <= band:
+            verb = "no change beyond noise" if better >= -band else "worse"
+            return Verdict(kept=False, reason=f"{verb}: {obj_text}", changes=clean, bands=bands)
+        return Verdict(kept=True, reason=f"{obj_text}; no guard tripped", changes=clean, bands=bands)
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:.4g}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def _move(metric: str, before: dict, after: dict, change: float) -> str:
+    return f"{change:+.1%} ({_fmt(before.get(metric))} -> {_fmt(after.get(metric))})"

@@ -1,0 +1,109 @@
+"""Quality probes, relative to the baseline plan: computed once for the baseline, reused per step.
+
+- ``kl_mean`` / ``kl_p99`` / ``kl_max``: KL(baseline || candidate) of the teacher-forced
+  next-token distributions on the shipped reference text (``fractal_opt/data/reference.txt``).
+- ``top1_flip``: share of reference positions whose most likely next token changed.
+- ``ppl_ratio``: candidate perplexity / baseline perplexity on the same text.
+- ``agreement``: greedy outputs on the workload, mean over requests of the matching prefix length
+  divided by the baseline output's length (1.0 = identical; strict: one early flip gives ~0).
+
+Model-level probes (KL, flips, perplexity) are recomputed only when the plan's numerics changed
+(``Plan.numerics_key``); a pass that changes only decoding or scheduling reuses them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from .engine import Engine
+
+__all__ = ["QualityConfig", "Reference", "agreement", "build_reference", "model_probes", "reference_text"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class QualityConfig:
+    """Recipe section ``quality``.
+
+    Attributes:
+        reference_tokens: how many tokens of the reference text the KL probe scores. The baseline's
+            log-probabilities are kept in memory: tokens × vocab × 4 bytes (512 × 49152 ≈ 100 MB).
+    """
+
+    reference_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.reference_tokens < 16:
+            from .errors import RecipeError
+
+            raise RecipeError(f"quality, key 'reference_tokens': got {self.reference_tokens}, expected an integer >= 16.")
+
+
+def reference_text() -> str:
+    """The shipped reference text (original prose, CC0), without its header line."""
+    text = (resources.files("fractal_opt") / "data" / "reference.txt").read_text(encoding="utf-8")
+    return "\n".join(line for line in text.splitlines() if not line.startswith("# ")).strip()
+
+
+@dataclass
+class Reference:
+    """The baseline's answers, computed once per run."""
+
+    token_ids: torch.Tensor  # [T] reference text tokens
+    logprobs: torch.Tensor  # [T-1, vocab] baseline log-probs of the next token at each position
+    nll: float  # baseline mean negative log-likelihood of the reference text
+    outputs: dict[str, list[int]]  # request id -> baseline greedy output tokens
+
+
+def build_reference(engine: Engine, outputs: dict[str, list[int]], config: QualityConfig) -> Reference:
+    """Score the reference text with the baseline engine and keep its distributions."""
+    import torch
+
+    ids = engine.tokenizer(reference_text(), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    ids = ids[: config.reference_tokens]
+    logprobs = engine.next_token_logprobs(ids)[:-1]
+    nll = -logprobs.gather(1, ids[1:].view(-1, 1)).mean().item()
+    return Reference(token_ids=ids, logprobs=logprobs.to(torch.float32), nll=nll, outputs=outputs)
+
+
+def model_probes(reference: Reference, engine: Engine) -> dict[str, float]:
+    """KL, flip rate and perplexity ratio of ``engine`` against the baseline distributions."""
+    import torch
+
+    cand = engine.next_token_logprobs(reference.token_ids)[:-1]
+    base = reference.logprobs
+    kl = (base.exp() * (base - cand)).sum(-1).clamp_min(0)  # [T-1]; tiny negatives are rounding
+    flips = (base.argmax(-1) != cand.argmax(-1)).float().mean().item()
+    nll = -cand.gather(1, reference.token_ids[1:].view(-1, 1)).mean().item()
+    return {
+        "kl_mean": round(kl.mean().item(), 6),
+        "kl_p99": round(torch.quantile(kl, 0.99).item(), 6),
+        "kl_max": round(kl.max().item(), 6),
+        "top1_flip": round(flips, 4),
+        "ppl_ratio": round(math.exp(nll - reference.nll), 4),
+    }
+
+
+def agreement(reference: Reference, outputs: dict[str, list[int]]) -> dict[str, Any]:
+    """Greedy agreement of ``outputs`` with the baseline's outputs on the workload."""
+    ratios, first_div = [], []
+    for rid, base in reference.outputs.items():
+        cand = outputs.get(rid, [])
+        n = 0
+        for a, b in zip(base, cand):
+            if a != b:
+                break
+            n += 1
+        same = n == len(base) == len(cand)
+        ratios.append(1.0 if same else n / max(1, len(base)))
+        if not same:
+            first_div.append(n)
+    return {
+        "agreement": round(sum(ratios) / max(1, len(ratios)), 4),
+        "first_divergence": min(first_div) if first_div else None,
+    }
