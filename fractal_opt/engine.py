@@ -109,14 +109,19 @@ def _load(plan: Plan, *, progress) -> tuple[Any, Any]:
     if mp.weight_bits is not None and mp.quant_backend == "bitsandbytes":
         from transformers import BitsAndBytesConfig
 
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=list(mp.quant_skip))
+        if mp.weight_bits == 8:
+            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=list(mp.quant_skip))
+        else:
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=kwargs["dtype"], llm_int8_skip_modules=list(mp.quant_skip)
+            )
         kwargs["device_map"] = device
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if "device_map" not in kwargs and device != "cpu":
         model = model.to(device)
     if mp.weight_bits is not None and mp.quant_backend == "torchao":
-        _quantize_torchao(model, mp.quant_skip)
+        _quantize_torchao(model, mp.weight_bits, mp.quant_group_size, mp.quant_skip)
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -124,14 +129,18 @@ def _load(plan: Plan, *, progress) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _quantize_torchao(model: Any, skip: Sequence[str]) -> None:
+def _quantize_torchao(model: Any, bits: int, group_size: int | None, skip: Sequence[str]) -> None:
     import torch
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup, quantize_
+
+    # int8: per-channel weight-only (the fastest int8 path on CPU, see cpu-passes.md). int4: the
+    # Intx config, the one torchao int4 path with CPU kernels (Int4WeightOnlyConfig is GPU-only).
+    config = Int8WeightOnlyConfig() if bits == 8 else IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size or 32))
 
     def wanted(module: torch.nn.Module, fqn: str) -> bool:
         return isinstance(module, torch.nn.Linear) and not any(fqn == s or fqn.endswith("." + s) or fqn.startswith(s + ".") for s in skip)
 
-    quantize_(model, Int8WeightOnlyConfig(), filter_fn=wanted)
+    quantize_(model, config, filter_fn=wanted)
 
 
 def _tensor_bytes(t: Any) -> int:

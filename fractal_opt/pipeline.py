@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from .engine import Engine
-from .errors import FractalOptError
 from .machine import Machine
 from .measure import METRICS, Measurement, compare, measure, noise_bands
-from .passes import Layer, Pass
 from .plan import Plan
-from .quality import Reference, agreement, build_reference, model_probes
+from .evals import load_eval_set, score
+from .quality import agreement, build_reference, model_probes
 from .recipe import Recipe, dump_recipe, load_recipe
 from .trace import Step, Trace
 
@@ -84,6 +83,9 @@ class Pipeline:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress = progress if callable(progress) else Progress(bool(progress))
         self.machine = machine
+        # Loaded now, so a bad eval set or probe fails before any model is loaded.
+        self._eval_items = load_eval_set(self.recipe.quality.eval) if self.recipe.quality.eval else []
+        self._probes = self.recipe.quality.load_probes()
 
     def run(self) -> Result:
         recipe = self.recipe
@@ -103,9 +105,9 @@ class Pipeline:
         current = self._measure(engine, requests, "baseline (A/A calibration, 2 of 2)")
         trace.calibration = {m: round(c, 4) for m in METRICS if (c := compare(first, current, m)) is not None}
         say("baseline: scoring the reference text")
-        reference = build_reference(engine, current.outputs, recipe.quality)
-        quality_cache: dict[tuple, dict[str, float]] = {plan.numerics_key(): model_probes(reference, engine)}
-        current_quality = {**quality_cache[plan.numerics_key()], **agreement(reference, current.outputs)}
+        self._reference = build_reference(engine, current.outputs, recipe.quality)
+        self._model_probes: dict[tuple, dict[str, float]] = {}
+        current_quality = self._quality(engine, current, "baseline")
         trace.baseline = Step(
             pass_name="baseline", layer="-", params={}, status="baseline",
             reason="plain transformers: " + _plan_text(plan),
@@ -136,11 +138,7 @@ class Pipeline:
                 after = self._measure(engine, requests, label)
                 step.timings["warmup_s"] = round(after.warmup_s, 2)
                 step.timings["measure_s"] = round(time.perf_counter() - t0, 2)
-                key = candidate.numerics_key()
-                if key not in quality_cache:
-                    say(f"{label}: quality probes")
-                    quality_cache[key] = model_probes(reference, engine)
-                quality = {**quality_cache[key], **agreement(reference, after.outputs)}
+                quality = self._quality(engine, after, label)
             except (Exception, MemoryError) as e:  # a failing pass is recorded and rolled back; the run goes on
                 step.status = "failed"
                 step.reason = f"{type(e).__name__}: {e}".strip()[:500]
@@ -154,7 +152,8 @@ class Pipeline:
             before_values = {**_metrics(current, current_quality)}
             after_values = {**step.metrics, **quality}
             before_values.update(current_quality)
-            verdict = recipe.policy.judge(p.layer, before_values, after_values, changes, bands)
+            baseline_values = {**{k: v for k, v in baseline_metrics.items() if k != "quality"}, **baseline_metrics["quality"]}
+            verdict = recipe.policy.judge(p.layer, before_values, after_values, changes, bands, baseline=baseline_values)
             step.changes, step.bands = verdict.changes, verdict.bands
             step.plan = candidate.to_dict()
             step.status = "kept" if verdict.kept else "rolled_back"
@@ -172,6 +171,25 @@ class Pipeline:
         return Result(plan=plan, trace=trace, recipe=trace.to_recipe(), out_dir=self.out_dir)
 
     # ------------------------------------------------------------------ helpers
+    def _quality(self, engine: Engine, m: Measurement, label: str) -> dict[str, Any]:
+        """Quality of the engine against the baseline. Model-level probes are recomputed only
+        when the plan's numerics changed; the eval set and custom probes run on every step."""
+        quality_cfg = self.recipe.quality
+        key = engine.plan.numerics_key()
+        if key not in self._model_probes:
+            self.progress(f"{label}: KL / perplexity on the reference text")
+            self._model_probes[key] = model_probes(self._reference, engine)
+        out: dict[str, Any] = {**self._model_probes[key], **agreement(self._reference, m.outputs)}
+        if self._eval_items:
+            self.progress(f"{label}: eval set {quality_cfg.eval!r}")
+            out.update(score(engine, self._eval_items, max_new_tokens=quality_cfg.eval_max_new_tokens))
+        for name, probe in self._probes.items():
+            values = probe(engine)
+            if not isinstance(values, dict):
+                raise TypeError(f"custom probe {name!r} must return a dict of named numbers, got {type(values).__name__}")
+            out.update({f"{name}.{k}": float(v) for k, v in values.items()})
+        return out
+
     def _measure(self, engine: Engine, requests, label: str) -> Measurement:
         return measure(engine, self.recipe.workload, requests=requests, progress=lambda msg: self.progress(f"{label}: measuring, {msg}"))
 

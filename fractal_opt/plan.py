@@ -44,6 +44,7 @@ class ModelPlan:
 
     weight_bits: int | None = None  # None = weights stay in the hardware dtype
     quant_backend: str | None = None  # torchao | bitsandbytes (resolved from "auto" by the pass)
+    quant_group_size: int | None = None  # weights per scale (4-bit); None = per channel
     quant_skip: tuple[str, ...] = ()  # module names left unquantized (mixed precision)
     kv_cache: str = "dynamic"  # dynamic | static | off
 
@@ -102,7 +103,7 @@ class Plan:
     def weights_key(self) -> tuple:
         """The fields that decide the loaded weights; plans sharing it share one loaded model."""
         hw, m = self.hardware, self.model
-        return (self.source, hw.device, hw.dtype, hw.attention, m.weight_bits, m.quant_backend, m.quant_skip)
+        return (self.source, hw.device, hw.dtype, hw.attention, m.weight_bits, m.quant_backend, m.quant_group_size, m.quant_skip)
 
     def numerics_key(self) -> tuple:
         """The fields that can change next-token distributions (the model-level quality probes)."""

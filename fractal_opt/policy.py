@@ -33,7 +33,11 @@ QUALITY_METRICS: dict[str, bool] = {  # metric -> True when higher is better
     "kl_max": False,
     "top1_flip": False,
     "ppl_ratio": False,
+    "ppl_ratio_low": False,
+    "ppl_ratio_high": False,
     "agreement": True,
+    "similarity": True,
+    "accuracy": True,
 }
 ALL_METRICS = {**METRICS, **QUALITY_METRICS}
 
@@ -52,20 +56,23 @@ WATCH = {
     Layer.SCHEDULING: ("throughput_tokens_per_s",),
     Layer.APPLICATION: ("ttft_ms",),
 }
-DEFAULT_GUARDS = {"kl_mean": {"max": 0.05}}
+DEFAULT_GUARDS = {"kl_mean": {"max": 0.05}, "accuracy": {"max_drop": 0.1}}  # accuracy only when an eval set is given
 
 
 @dataclass(frozen=True, kw_only=True)
 class Guard:
-    """A limit on one metric: absolute ``min`` / ``max``, or ``max_regression`` vs the previous plan."""
+    """A limit on one metric: absolute ``min`` / ``max``, ``max_regression`` (relative, vs the
+    previous kept plan, beyond noise) or ``max_drop`` (absolute decrease vs the baseline, e.g. accuracy)."""
 
     metric: str
     min: float | None = None
     max: float | None = None
     max_regression: float | None = None
+    max_drop: float | None = None
 
     def describe(self) -> str:
-        parts = [f"{k} {v:g}" for k, v in (("min", self.min), ("max", self.max), ("max_regression", self.max_regression)) if v is not None]
+        limits = (("min", self.min), ("max", self.max), ("max_regression", self.max_regression), ("max_drop", self.max_drop))
+        parts = [f"{k} {v:g}" for k, v in limits if v is not None]
         return f"{self.metric} " + ", ".join(parts)
 
 
@@ -103,7 +110,7 @@ class Policy:
         if not isinstance(self.guards, dict):
             raise RecipeError(f"policy, key 'guards': expected a mapping of metric -> {{min|max|max_regression: value}}, got {self.guards!r}.")
         for metric, spec in self.guards.items():
-            if metric not in ALL_METRICS:
+            if metric not in ALL_METRICS and "." not in metric:  # "probe.name" = a custom probe's number
                 valid = sorted(ALL_METRICS)
                 raise RecipeError(f"policy.guards: unknown metric {metric!r}. Valid metrics are: {valid}.{closest(metric, valid)}")
             if spec is None:
@@ -111,8 +118,8 @@ class Policy:
             if not isinstance(spec, dict) or not spec:
                 raise RecipeError(f"policy.guards.{metric}: expected a mapping like {{max: 0.05}}, got {spec!r}.")
             for key, value in spec.items():
-                if key not in ("min", "max", "max_regression"):
-                    valid = ["max", "max_regression", "min"]
+                if key not in ("min", "max", "max_regression", "max_drop"):
+                    valid = ["max", "max_drop", "max_regression", "min"]
                     raise RecipeError(f"policy.guards.{metric}: unknown limit {key!r}. Valid limits are: {valid}.{closest(key, valid)}")
                 if not isinstance(value, int | float) or isinstance(value, bool):
                     raise RecipeError(f"policy.guards.{metric}.{key}: got {value!r}, expected a number.")
@@ -137,9 +144,11 @@ class Policy:
         after: dict[str, float | None],
         changes: dict[str, float | None],
         bands: dict[str, float],
+        baseline: dict[str, float | None] | None = None,
     ) -> Verdict:
         """Keep or roll back: ``before``/``after`` are metric medians (quality included),
-        ``changes`` relative changes (paired), ``bands`` the noise band per metric."""
+        ``changes`` relative changes (paired), ``bands`` the noise band per metric, ``baseline``
+        the baseline's numbers (for ``max_drop``)."""
         objective = self.objective_for(layer)
         trips: list[str] = []
         for guard in self.guards_for(layer):
@@ -150,9 +159,12 @@ class Policy:
                 trips.append(f"guard {guard.metric} max {guard.max:g} tripped: {_fmt(value)}")
             if guard.min is not None and value < guard.min:
                 trips.append(f"guard {guard.metric} min {guard.min:g} tripped: {_fmt(value)}")
+            base = (baseline or {}).get(guard.metric)
+            if guard.max_drop is not None and base is not None and base - value > guard.max_drop:
+                trips.append(f"guard {guard.metric} max_drop {guard.max_drop:g} tripped: {_fmt(base)} at baseline -> {_fmt(value)}")
             change = changes.get(guard.metric)
             if guard.max_regression is not None and change is not None:
-                worse = -change if ALL_METRICS[guard.metric] else change
+                worse = -change if ALL_METRICS.get(guard.metric, True) else change
                 limit = guard.max_regression + bands.get(guard.metric, 0.0)  # worse beyond noise
                 if worse > limit:
                     trips.append(f"guard {guard.metric} max_regression {guard.max_regression:.0%} tripped: {_move(guard.metric, before, after, change)}")

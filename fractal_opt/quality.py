@@ -3,9 +3,14 @@
 - ``kl_mean`` / ``kl_p99`` / ``kl_max``: KL(baseline || candidate) of the teacher-forced
   next-token distributions on the shipped reference text (``fractal_opt/data/reference.txt``).
 - ``top1_flip``: share of reference positions whose most likely next token changed.
-- ``ppl_ratio``: candidate perplexity / baseline perplexity on the same text.
+- ``ppl_ratio``: candidate perplexity / baseline perplexity on the same text, with a 95% interval
+  (``ppl_ratio_low`` / ``ppl_ratio_high``) from the per-token log-likelihood differences.
 - ``agreement``: greedy outputs on the workload, mean over requests of the matching prefix length
-  divided by the baseline output's length (1.0 = identical; strict: one early flip gives ~0).
+  divided by the baseline output's length (1.0 = identical; strict: one early flip gives ~0);
+  ``similarity`` is the gentler token-sequence similarity (difflib ratio), averaged.
+- ``accuracy``: share of a task eval set answered right (``quality.eval``; see evals.py).
+- custom probes: ``quality.probes: ["pkg.module:function"]``; the function receives the engine and
+  returns named numbers, stored as ``function.name``.
 
 Model-level probes (KL, flips, perplexity) are recomputed only when the plan's numerics changed
 (``Plan.numerics_key``); a pass that changes only decoding or scheduling reuses them.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from importlib import resources
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,12 +42,38 @@ class QualityConfig:
     """
 
     reference_tokens: int = 512
+    eval: str | None = None
+    eval_max_new_tokens: int = 24
+    probes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.reference_tokens < 16:
-            from .errors import RecipeError
+        from .errors import RecipeError
 
+        if self.reference_tokens < 16:
             raise RecipeError(f"quality, key 'reference_tokens': got {self.reference_tokens}, expected an integer >= 16.")
+        if self.eval_max_new_tokens < 1:
+            raise RecipeError(f"quality, key 'eval_max_new_tokens': got {self.eval_max_new_tokens}, expected an integer >= 1.")
+        for spec in self.probes:
+            if spec.count(":") != 1 or not all(spec.split(":")):
+                raise RecipeError(f"quality, key 'probes': {spec!r} is not of the form 'package.module:function'.")
+
+    def load_probes(self) -> dict[str, Callable[..., dict[str, float]]]:
+        """Import the custom probes (``module:function``); each takes the engine, returns named numbers."""
+        import importlib
+
+        from .errors import RecipeError
+
+        out = {}
+        for spec in self.probes:
+            module_name, func_name = spec.split(":")
+            try:
+                func = getattr(importlib.import_module(module_name), func_name)
+            except (ImportError, AttributeError) as e:
+                raise RecipeError(f"quality, key 'probes': cannot import {spec!r}: {e}.") from None
+            if not callable(func):
+                raise RecipeError(f"quality, key 'probes': {spec!r} is not callable.")
+            out[func_name] = func
+        return out
 
 
 def reference_text() -> str:
@@ -57,6 +89,7 @@ class Reference:
     token_ids: torch.Tensor  # [T] reference text tokens
     logprobs: torch.Tensor  # [T-1, vocab] baseline log-probs of the next token at each position
     nll: float  # baseline mean negative log-likelihood of the reference text
+    token_nll: torch.Tensor  # [T-1] baseline per-token negative log-likelihood
     outputs: dict[str, list[int]]  # request id -> baseline greedy output tokens
 
 
@@ -67,8 +100,8 @@ def build_reference(engine: Engine, outputs: dict[str, list[int]], config: Quali
     ids = engine.tokenizer(reference_text(), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
     ids = ids[: config.reference_tokens]
     logprobs = engine.next_token_logprobs(ids)[:-1]
-    nll = -logprobs.gather(1, ids[1:].view(-1, 1)).mean().item()
-    return Reference(token_ids=ids, logprobs=logprobs.to(torch.float32), nll=nll, outputs=outputs)
+    token_nll = -logprobs.gather(1, ids[1:].view(-1, 1))[:, 0]
+    return Reference(token_ids=ids, logprobs=logprobs.to(torch.float32), nll=token_nll.mean().item(), token_nll=token_nll, outputs=outputs)
 
 
 def model_probes(reference: Reference, engine: Engine) -> dict[str, float]:
@@ -79,21 +112,27 @@ def model_probes(reference: Reference, engine: Engine) -> dict[str, float]:
     base = reference.logprobs
     kl = (base.exp() * (base - cand)).sum(-1).clamp_min(0)  # [T-1]; tiny negatives are rounding
     flips = (base.argmax(-1) != cand.argmax(-1)).float().mean().item()
-    nll = -cand.gather(1, reference.token_ids[1:].view(-1, 1)).mean().item()
+    diff = -cand.gather(1, reference.token_ids[1:].view(-1, 1))[:, 0] - reference.token_nll  # [T-1]
+    mean, half = diff.mean().item(), 1.96 * diff.std().item() / math.sqrt(diff.numel())  # 95% normal interval
     return {
         "kl_mean": round(kl.mean().item(), 6),
         "kl_p99": round(torch.quantile(kl, 0.99).item(), 6),
         "kl_max": round(kl.max().item(), 6),
         "top1_flip": round(flips, 4),
-        "ppl_ratio": round(math.exp(nll - reference.nll), 4),
+        "ppl_ratio": round(math.exp(mean), 4),
+        "ppl_ratio_low": round(math.exp(mean - half), 4),
+        "ppl_ratio_high": round(math.exp(mean + half), 4),
     }
 
 
 def agreement(reference: Reference, outputs: dict[str, list[int]]) -> dict[str, Any]:
     """Greedy agreement of ``outputs`` with the baseline's outputs on the workload."""
-    ratios, first_div = [], []
+    import difflib
+
+    ratios, first_div, similarity = [], [], []
     for rid, base in reference.outputs.items():
         cand = outputs.get(rid, [])
+        similarity.append(difflib.SequenceMatcher(a=base, b=cand, autojunk=False).ratio() if base or cand else 1.0)
         n = 0
         for a, b in zip(base, cand):
             if a != b:
@@ -106,4 +145,5 @@ def agreement(reference: Reference, outputs: dict[str, list[int]]) -> dict[str, 
     return {
         "agreement": round(sum(ratios) / max(1, len(ratios)), 4),
         "first_divergence": min(first_div) if first_div else None,
+        "similarity": round(sum(similarity) / max(1, len(similarity)), 4),
     }

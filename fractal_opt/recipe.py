@@ -137,6 +137,10 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
     workload.requests()  # validates the suite now, not after the model has loaded
     policy = build(Policy, data.get("policy"), where=f"{where}: policy")
     quality = build(QualityConfig, data.get("quality"), where=f"{where}: quality")
+    if quality.eval:
+        from .evals import load_eval_set
+
+        load_eval_set(quality.eval)  # validates the eval set before any model loads
     passes = _parse_passes(data.get("passes"), where=f"{where}: passes")
     return Recipe(model=model, workload=workload, policy=policy, quality=quality, passes=passes, name=name)
 

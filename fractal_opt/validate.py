@@ -61,10 +61,6 @@ def type_name(annotation: Any) -> str:
     if origin in (Union, types.UnionType):
         return " | ".join(type_name(a) for a in typing.get_args(annotation))
     if origin is dict:
-        if not isinstance(value, Mapping):
-            raise _Mismatch
-        return dict(value)
-    if origin is dict:
         return "mapping"
     if origin is tuple:
         return f"list of {type_name(typing.get_args(annotation)[0])}"

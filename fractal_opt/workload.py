@@ -70,7 +70,8 @@ class Workload:
             ``.yaml`` / ``.jsonl`` file of requests.
         max_new_tokens: the token budget per request (generation stops earlier at end-of-sequence).
         repeats: timed passes over the suite per measurement (the warm-up is extra).
-        warmup: untimed requests run after every build (torch.compile and caches warm up here).
+        warmup: untimed passes over the suite (8 tokens each) after every build; kernels, caches
+            and torch.compile warm up here.
         seed: seed for sampling, reset before every request so runs compare like for like.
         limit: use only the first ``limit`` requests of the suite (None = all).
     """

@@ -18,19 +18,27 @@ BACKEND_PACKAGES = {"torchao": "torchao", "bitsandbytes": "bitsandbytes"}
 @register
 @dataclass(frozen=True, kw_only=True)
 class Quantize(Pass):
-    """Store linear-layer weights in 8 bits (weight-only) to cut the bytes read per decode token.
+    """Store linear-layer weights in 8 or 4 bits (weight-only) to cut the bytes read per decode token.
 
-    ``backend: auto`` picks what works on the plan's device: bitsandbytes on CUDA; torchao int8
-    weight-only on CPU (it decoded SmolLM2 at ~16 tokens/s here against ~8 for bitsandbytes int8;
-    ../shared/research/cpu-passes.md). ``skip`` keeps modules in full precision (mixed precision).
+    ``backend: auto`` picks what works on the plan's device: bitsandbytes on CUDA; torchao on CPU
+    (int8 weight-only decoded SmolLM2 at ~16 tokens/s there against ~8 for bitsandbytes int8;
+    ../shared/research/cpu-passes.md). 4 bits: torchao int4 weight-only with ``group_size`` groups
+    (``IntxWeightOnlyConfig``), or bitsandbytes nf4. ``skip`` keeps modules in full precision.
     """
 
     name = "quantize"
     layer = Layer.MODEL
 
-    bits: Literal[8] = 8
+    bits: Literal[8, 4] = 8
     backend: Literal["auto", "torchao", "bitsandbytes"] = "auto"
+    group_size: int = 32  # weights per scale at 4 bits (torchao); ignored at 8 bits (per channel)
     skip: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self) -> None:
+        from ..errors import RecipeError
+
+        if self.group_size < 1 or self.group_size & (self.group_size - 1):
+            raise RecipeError(f"pass 'quantize', parameter 'group_size': got {self.group_size}, expected a power of two such as 32, 64 or 128.")
 
     def resolve_backend(self, plan: Plan) -> str:
         if self.backend != "auto":
@@ -57,7 +65,8 @@ class Quantize(Pass):
         return None
 
     def apply(self, plan: Plan) -> Plan:
-        return plan.replace_section("model", weight_bits=self.bits, quant_backend=self.resolve_backend(plan), quant_skip=self.skip)
+        group = self.group_size if self.bits == 4 else None
+        return plan.replace_section("model", weight_bits=self.bits, quant_backend=self.resolve_backend(plan), quant_group_size=group, quant_skip=self.skip)
 
 
 @register
