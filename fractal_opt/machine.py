@@ -14,7 +14,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Machine", "OPTIONAL_PACKAGES"]
+__all__ = ["OPTIONAL_PACKAGES", "Machine"]
 
 # Packages whose presence decides whether a pass can run (kernels, quantization backends).
 OPTIONAL_PACKAGES = ("torch", "transformers", "accelerate", "bitsandbytes", "torchao", "optimum-quanto", "hqq", "flash-attn", "nvidia-ml-py")

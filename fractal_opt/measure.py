@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .engine import Engine, Generation
     from .workload import Request, Workload
 
-__all__ = ["Measurement", "Sample", "TokenClock", "compare", "measure", "METRICS"]
+__all__ = ["METRICS", "Measurement", "Sample", "TokenClock", "compare", "measure"]
 
 # metric -> True when higher is better. The order is the report's column order.
 METRICS: dict[str, bool] = {
@@ -222,7 +222,7 @@ class _MemoryWindow:
             self.source = "vmhwm" if _reset_hwm() else "ru_maxrss"
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.device.startswith("cuda"):
             import torch
 

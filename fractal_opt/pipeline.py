@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from .engine import Engine
+from .evals import load_eval_set, score
 from .machine import Machine
 from .measure import METRICS, Measurement, compare, measure, noise_bands
 from .plan import Plan
-from .evals import load_eval_set, score
 from .quality import agreement, build_reference, model_probes
 from .recipe import Recipe, dump_recipe, load_recipe
 from .trace import Step, Trace

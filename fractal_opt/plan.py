@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "SECTIONS",
     "ApplicationPlan",
     "HardwarePlan",
     "ModelPlan",
     "Plan",
     "SchedulingPlan",
-    "SECTIONS",
 ]
 
 

@@ -25,7 +25,7 @@ from .errors import RecipeError, closest
 from .measure import METRICS
 from .passes import Layer
 
-__all__ = ["Guard", "Policy", "Verdict", "DEFAULT_OBJECTIVES"]
+__all__ = ["DEFAULT_OBJECTIVES", "Guard", "Policy", "Verdict"]
 
 QUALITY_METRICS: dict[str, bool] = {  # metric -> True when higher is better
     "kl_mean": False,

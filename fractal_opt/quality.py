@@ -19,9 +19,9 @@ Model-level probes (KL, flips, perplexity) are recomputed only when the plan's n
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from .machine import Machine
 from .passes import Layer, Pass
 from .plan import ApplicationPlan, HardwarePlan, ModelPlan, Plan, SchedulingPlan
 
-__all__ = ["check_pass", "sample_plans", "tiny_model", "cpu_machine"]
+__all__ = ["check_pass", "cpu_machine", "sample_plans", "tiny_model"]
 
 # A chat template in the style of SmolLM2 (ChatML), so chat suites render as they would there.
 CHAT_TEMPLATE = (
@@ -70,7 +70,7 @@ def check_pass(cls: type[Pass]) -> None:
     assert cls.summary(), f"pass {name!r}: give the class a docstring (its first line is the pass's summary)"
     try:
         instance = cls()
-    except Exception as e:  # noqa: BLE001 - the message is the point
+    except Exception as e:
         raise AssertionError(f"pass {name!r}: not constructible with defaults: {e}") from e
     field_names = [f.name for f in dataclasses.fields(cls)]
     if field_names:
