@@ -181,14 +181,21 @@ class Engine:
             out.extend(self._generate_batch(list(requests[i : i + size]), max_new_tokens=max_new_tokens, seed=seed, sync=sync))
         return out
 
-    def next_token_logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced log-probabilities ``[T, vocab]`` (float32, CPU) for a 1-D token tensor."""
+    def next_token_logprobs(self, input_ids: torch.Tensor, *, chunk: int = 512) -> Iterator[torch.Tensor]:
+        """Teacher-forced next-token log-probabilities for a 1-D token tensor, yielded in chunks of
+        ``[<=chunk, vocab]`` (float32, CPU) so a long text never holds all its logits at once
+        (2,048 tokens × 49,152 vocab × 4 bytes would be 400 MB)."""
         import torch
+        from transformers import DynamicCache
 
-        with self._lock, runtime(self.plan, self.machine), torch.inference_mode():
-            ids = input_ids.view(1, -1).to(self.model.device)
-            logits = self.model(input_ids=ids, use_cache=False).logits[0]
-            return torch.log_softmax(logits.float(), dim=-1).cpu()
+        with self._lock, runtime(self.plan, self.machine), _no_grad():
+            cache = DynamicCache()
+            for start in range(0, input_ids.numel(), chunk):
+                ids = input_ids[start : start + chunk].view(1, -1).to(self.model.device)
+                # transformers 5 calls the cache argument `cache` (`past_key_values` is deprecated);
+                # the DynamicCache grows in place, chunk after chunk.
+                out = self.model(input_ids=ids, cache=cache, use_cache=True)
+                yield torch.log_softmax(out.logits[0].float(), dim=-1).cpu()
 
     # ------------------------------------------------------------------ internals
     def budget(self, max_new_tokens: int | None) -> int:

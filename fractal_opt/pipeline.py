@@ -21,7 +21,8 @@ from .evals import load_eval_set, score
 from .machine import Machine
 from .measure import METRICS, Measurement, compare, measure, noise_bands
 from .plan import Plan
-from .quality import agreement, build_reference, model_probes
+from .passes import Layer
+from .quality import agreement, agreement_between, build_reference, model_probes
 from .recipe import Recipe, dump_recipe, load_recipe
 from .trace import Step, Trace
 
@@ -101,12 +102,15 @@ class Pipeline:
         t0 = time.perf_counter()
         engine = Engine.build(plan, machine=machine, progress=say, max_new_tokens=recipe.workload.max_new_tokens)
         build_s = time.perf_counter() - t0
+        # The reference is scored before any measurement, so the memory it holds is part of every
+        # measurement alike (baseline included) and cannot masquerade as a pass's memory cost.
+        say("baseline: scoring the reference text")
+        self._reference = build_reference(engine, {}, recipe.quality)
+        self._model_probes: dict[tuple, dict[str, float]] = {}
         first = self._measure(engine, requests, "baseline (A/A calibration, 1 of 2)")
         current = self._measure(engine, requests, "baseline (A/A calibration, 2 of 2)")
         trace.calibration = {m: round(c, 4) for m in METRICS if (c := compare(first, current, m)) is not None}
-        say("baseline: scoring the reference text")
-        self._reference = build_reference(engine, current.outputs, recipe.quality)
-        self._model_probes: dict[tuple, dict[str, float]] = {}
+        self._reference.outputs = current.outputs
         current_quality = self._quality(engine, current, "baseline")
         trace.baseline = Step(
             pass_name="baseline", layer="-", params={}, status="baseline",
@@ -139,6 +143,9 @@ class Pipeline:
                 step.timings["warmup_s"] = round(after.warmup_s, 2)
                 step.timings["measure_s"] = round(time.perf_counter() - t0, 2)
                 quality = self._quality(engine, after, label)
+                if p.layer is Layer.SCHEDULING and not candidate.application.do_sample:
+                    # Path equivalence: with greedy decoding a serving path must not change a token.
+                    quality.update(path_agreement=agreement_between(current.outputs, after.outputs))
             except (Exception, MemoryError) as e:  # a failing pass is recorded and rolled back; the run goes on
                 step.status = "failed"
                 step.reason = f"{type(e).__name__}: {e}".strip()[:500]

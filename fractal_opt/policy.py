@@ -38,6 +38,7 @@ QUALITY_METRICS: dict[str, bool] = {  # metric -> True when higher is better
     "agreement": True,
     "similarity": True,
     "accuracy": True,
+    "path_agreement": True,
 }
 ALL_METRICS = {**METRICS, **QUALITY_METRICS}
 
@@ -134,6 +135,10 @@ class Policy:
         """Default guards of the layer, overridden and extended by the recipe's."""
         specs: dict[str, dict | None] = {m: {"max_regression": self.max_regression} for m in WATCH[layer] if m != self.objective_for(layer)}
         specs.update(DEFAULT_GUARDS)
+        if layer is Layer.SCHEDULING:
+            # A serving path (batching, continuous batching) must give the same greedy tokens as
+            # the path it replaces; a divergence is a quality regression, not a speed-up.
+            specs["path_agreement"] = {"min": 1.0}
         specs.update(self.guards)
         return [Guard(metric=m, **spec) for m, spec in specs.items() if spec]
 
