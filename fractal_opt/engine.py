@@ -22,8 +22,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import EngineError
-from .generation import generate_kwargs
+from .errors import EngineError, RequestRejected
+from .app_runtime import AppRuntime, trim_stop
+from .generation import generate_kwargs, uses_streamer
 from .loading import census, load
 from .machine import Machine
 from .measure import TokenClock
@@ -54,6 +55,10 @@ class Generation:
     t_prefill_start: float  # when generate() passed the prompt to the streamer (prefill starts)
     token_times: list[float] = field(default_factory=list)  # perf_counter() per generated token
     hit_cap: bool = False  # stopped by the token budget, not by end-of-sequence
+    cache_hit: str | None = None  # "exact" / "semantic" when the response cache answered (no generate call)
+    prompt_tokens_saved: int = 0  # prompt tokens the plan's prompt budget removed
+    streamed: bool = True  # False for beam search: no per-token clock, only t_done
+    t_done: float | None = None  # perf_counter() when the answer was complete
 
     @property
     def new_tokens(self) -> int:
@@ -74,16 +79,21 @@ def runtime(plan: Plan, machine: Machine | None = None) -> Iterator[None]:
     import torch
 
     before = torch.get_num_threads()
+    precision_before = torch.get_float32_matmul_precision()
     threads = plan.hardware.threads
     if threads == "auto":
         threads = (machine or Machine.probe()).physical_cores
     try:
         if isinstance(threads, int) and threads != before:
             torch.set_num_threads(threads)
+        if plan.hardware.matmul_precision != precision_before:
+            torch.set_float32_matmul_precision(plan.hardware.matmul_precision)  # TF32 on CUDA for "high"
         yield
     finally:
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)
+        if torch.get_float32_matmul_precision() != precision_before:
+            torch.set_float32_matmul_precision(precision_before)
 
 
 class Engine:
@@ -97,6 +107,7 @@ class Engine:
         self.load_s = load_s  # seconds spent loading (0 when the weights came from the cache)
         self.default_max_new_tokens = max_new_tokens or _DEFAULT_MAX_NEW_TOKENS
         self._lock = threading.Lock()  # one generate() at a time on the shared model
+        self.app = AppRuntime(plan, tokenizer)  # prompt budget, response cache, draft model
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -121,6 +132,7 @@ class Engine:
         if plan.model.weight_bits is not None and engine.census()["quantized_linear_layers"] == 0:
             _MODEL_CACHE.pop(key, None)
             raise EngineError(f"quantization to {plan.model.weight_bits} bits with {plan.model.quant_backend} did not apply: no linear layer holds quantized weights after the build")
+        engine.app.prepare(tokenizer, progress=progress)  # draft / embedding models load before any clock runs
         return engine
 
     @classmethod
@@ -132,7 +144,23 @@ class Engine:
         return cls.build(rec.plan(), progress=progress, max_new_tokens=rec.workload.max_new_tokens)
 
     def census(self) -> dict[str, Any]:
-        return census(self.model)
+        """What the built model holds (weights by storage type, quantized layers) and the KV-cache arithmetic of the plan."""
+        return census(self.model, self.plan)
+
+    def check_context(self, prompt_tokens: int, budget: int) -> None:
+        """Refuse a request whose prompt plus token budget exceeds the plan's context cap.
+
+        Raises:
+            RequestRejected: naming both numbers and the ways to fit.
+        """
+        cap = self.plan.model.context_cap
+        if cap is not None and prompt_tokens + budget > cap:
+            msg = (
+                f"request needs {prompt_tokens + budget} tokens of context ({prompt_tokens} prompt + {budget} new), over this "
+                f"deployment's context cap of {cap}. Shorten the prompt (an application-layer prompt_budget pass trims it), "
+                "lower max_new_tokens, or raise the context_cap pass's tokens."
+            )
+            raise RequestRejected(msg)
 
     def close(self) -> None:
         """Forget this engine's model (the cache keeps it until evicted or :func:`clear_cache`)."""
@@ -149,9 +177,15 @@ class Engine:
         from transformers import TextIteratorStreamer
 
         request = _as_request(prompt)
+        if self.app.cache is not None or not uses_streamer(self.plan) or self.plan.application.stop:
+            # A cached answer, beam search (transformers cannot stream beams) and stop sequences
+            # (the text is cut after generation) arrive in one piece.
+            yield self.serve([request], max_new_tokens=max_new_tokens)[0].text
+            return
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         inputs = self._encode([request])
         kwargs = self._generate_kwargs(max_new_tokens)
+        self._check_rows(inputs, kwargs["max_new_tokens"])
         errors: list[BaseException] = []
 
         def work() -> None:
@@ -174,12 +208,70 @@ class Engine:
 
         Sequential plans answer one request at a time; static batching answers left-padded
         batches of up to ``batch_size``. ``seed`` is reset before each generate call.
+        Continuous batching submits every request at once to a server (fractal_opt.serving);
+        :meth:`server` gives apps that server directly (queue, timeouts, streaming, cancel).
         """
+        if self.plan.scheduling.batching == "continuous":
+            from .serving import serve_all
+
+            return self._answer(list(requests), max_new_tokens, lambda todo, t0: serve_all(self, todo, max_new_tokens=max_new_tokens, seed=seed))
         size = self.plan.scheduling.batch_size if self.plan.scheduling.batching == "static" else 1
         out: list[Generation] = []
         for i in range(0, len(requests), size):
-            out.extend(self._generate_batch(list(requests[i : i + size]), max_new_tokens=max_new_tokens, seed=seed, sync=sync))
+            batch = list(requests[i : i + size])
+            out.extend(self._answer(batch, max_new_tokens, lambda todo, t0: self._generate_batch(todo, max_new_tokens=max_new_tokens, seed=seed, sync=sync, t_submit=t0)))
         return out
+
+    def reset_response_cache(self) -> None:
+        """Empty the plan's response cache and its counters (measure() does it before every pass over a suite)."""
+        if self.app.cache is not None:
+            self.app.cache.clear()
+
+    def cache_stats(self) -> dict[str, int] | None:
+        """The response cache's counters (exact_hits, semantic_hits, misses, ...), or None without a cache."""
+        return self.app.cache.stats() if self.app.cache is not None else None
+
+    def _answer(self, batch: list[Request], max_new_tokens: int | None, run) -> list[Generation]:
+        """Answer ``batch`` from the response cache where it can, and with ``run(misses, t_submit)`` otherwise.
+
+        Cache hits are timed like requests: submitted at ``t0``, with every token available at the
+        moment the lookup returned (so TTFT = e2e = lookup time; no decode rate). Misses carry
+        their lookup time too, because their clock also starts at ``t0``.
+        """
+        if self.app.cache is None:
+            return run(batch, None)
+        t0 = time.perf_counter()
+        budget = self.budget(max_new_tokens)
+        answers: list[Generation | None] = []
+        for request in batch:
+            hit = self.app.lookup(request, budget)
+            if hit is None:
+                answers.append(None)
+                continue
+            now, v = time.perf_counter(), hit.value
+            answers.append(
+                Generation(
+                    request_id=request.id, text=v["text"], token_ids=list(v["token_ids"]), prompt_tokens=v["prompt_tokens"],
+                    t_submit=t0, t_prefill_start=now, token_times=[now] * len(v["token_ids"]), hit_cap=v["hit_cap"],
+                    cache_hit=hit.kind, t_done=now,
+                )
+            )
+        misses = [r for r, a in zip(batch, answers) if a is None]
+        generated = iter(run(misses, t0) if misses else [])
+        out = []
+        for request, answer in zip(batch, answers):
+            if answer is None:
+                answer = next(generated)
+                value = {"text": answer.text, "token_ids": list(answer.token_ids), "prompt_tokens": answer.prompt_tokens, "hit_cap": answer.hit_cap}
+                self.app.store(request, budget, value)
+            out.append(answer)
+        return out
+
+    def server(self, *, seed: int = 0, ignore_eos: bool = False):
+        """A request server scheduled as the plan says (see :func:`fractal_opt.serving.make_server`)."""
+        from .serving import make_server
+
+        return make_server(self, seed=seed, ignore_eos=ignore_eos)
 
     def next_token_logprobs(self, input_ids: torch.Tensor, *, chunk: int = 512) -> Iterator[torch.Tensor]:
         """Teacher-forced next-token log-probabilities for a 1-D token tensor, yielded in chunks of
@@ -205,7 +297,12 @@ class Engine:
         return min(budget, cap) if cap else budget
 
     def _generate_kwargs(self, max_new_tokens: int | None) -> dict[str, Any]:
-        return generate_kwargs(self.plan, self.tokenizer, budget=self.budget(max_new_tokens))
+        return generate_kwargs(self.plan, self.tokenizer, budget=self.budget(max_new_tokens)) | self.app.generate_extras()
+
+    def _check_rows(self, inputs: dict[str, Any], budget: int) -> None:
+        if self.plan.model.context_cap is not None:
+            for n in inputs["attention_mask"].sum(dim=1).tolist():  # prompt tokens per row, padding excluded
+                self.check_context(int(n), budget)
 
     def _encode(self, requests: Sequence[Request]) -> dict[str, Any]:
         texts = [self._render(r) for r in requests]
@@ -213,22 +310,29 @@ class Engine:
         return {k: v.to(self.model.device) for k, v in enc.items()}
 
     def _render(self, request: Request) -> str:
+        request = self.app.fit(request)  # the plan's prompt budget (a no-op without one)
         if getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template(request.as_messages(), add_generation_prompt=True, tokenize=False)
         return "\n".join(content for _, content in request.messages)
 
-    def _generate_batch(self, batch: list[Request], *, max_new_tokens: int | None, seed: int, sync) -> list[Generation]:
+    def _generate_batch(self, batch: list[Request], *, max_new_tokens: int | None, seed: int, sync, t_submit: float | None = None) -> list[Generation]:
         import torch
 
-        t_submit = time.perf_counter()
+        t_submit = time.perf_counter() if t_submit is None else t_submit
         inputs = self._encode(batch)
         kwargs = self._generate_kwargs(max_new_tokens)
-        clock = TokenClock(sync=sync)
+        self._check_rows(inputs, kwargs["max_new_tokens"])
+        # Beam search cannot stream in transformers: such requests are timed end to end only.
+        clock = TokenClock(sync=sync) if uses_streamer(self.plan) else None
         with self._lock, runtime(self.plan, self.machine), _no_grad():
             torch.manual_seed(seed)
             output = self.model.generate(**inputs, streamer=clock, **kwargs)
+        if sync is not None:
+            sync()
+        t_done = time.perf_counter()
         prompt_len = inputs["input_ids"].shape[1]
         eos = _eos_ids(self.model, self.tokenizer)
+        stops = self.plan.application.stop
         results = []
         for row, request in enumerate(batch):
             new = output[row, prompt_len:].tolist()
@@ -237,18 +341,26 @@ class Engine:
                 if tok in eos:
                     n = j + 1  # the end-of-sequence token is generated work; padding after it is not
                     break
+            if stops and len(batch) > 1:
+                # A row that ended on a stop sequence is padded to the batch's longest row.
+                while n and new[n - 1] == self.tokenizer.pad_token_id:
+                    n -= 1
             ids = new[:n]
             hit_cap = n == kwargs["max_new_tokens"] and not (ids and ids[-1] in eos)
+            text = self.tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)
             results.append(
                 Generation(
                     request_id=request.id,
-                    text=self.tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True),
+                    text=trim_stop(text, stops) if stops else text,
                     token_ids=ids,
                     prompt_tokens=int(inputs["attention_mask"][row].sum()),
                     t_submit=t_submit,
-                    t_prefill_start=clock.prompt_time if clock.prompt_time is not None else t_submit,
-                    token_times=clock.token_times[:n],
+                    t_prefill_start=clock.prompt_time if clock is not None and clock.prompt_time is not None else t_submit,
+                    token_times=clock.token_times[:n] if clock is not None else [],
                     hit_cap=hit_cap,
+                    prompt_tokens_saved=self.app.saved.get(request.id, 0),
+                    streamed=clock is not None,
+                    t_done=t_done,
                 )
             )
         return results

@@ -1,7 +1,13 @@
-"""Layer 1, hardware: where and how the math runs (dtype, threads, attention kernel)."""
+"""Layer 1, hardware: where and how the math runs.
+
+Passes: ``device`` (one device, or accelerate's ``device_map`` over several with CPU/disk
+offload), ``dtype``, ``threads``, ``attention`` (kernel), ``matmul_precision`` (TF32 on CUDA) and
+``compile`` (torch.compile of the decode step). GPU-only options say so in ``check``.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -10,7 +16,7 @@ from ..machine import Machine
 from ..passes import Layer, Pass, register
 from ..plan import Plan
 
-__all__ = ["Attention", "Dtype", "Threads"]
+__all__ = ["Attention", "Compile", "Device", "Dtype", "MatmulPrecision", "Threads", "target_device"]
 
 
 @register
@@ -104,3 +110,177 @@ class Attention(Pass):
 
     def apply(self, plan: Plan) -> Plan:
         return plan.replace_section("hardware", attention=self.implementation)
+
+
+# --------------------------------------------------------------------------- device / device_map
+
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$", re.IGNORECASE)
+
+
+def target_device(device: str, machine: Machine) -> str:
+    """What ``device`` means on ``machine``: ``auto`` becomes cuda, then mps, then cpu."""
+    if device != "auto":
+        return device
+    if machine.has_cuda:
+        return "cuda"
+    return "mps" if machine.mps else "cpu"
+
+
+def _device_missing(device: str, machine: Machine) -> str | None:
+    if device.startswith("cuda"):
+        if not machine.has_cuda:
+            return f"device {device!r} needs a CUDA GPU and torch sees none on this machine (GPU-only option)"
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= len(machine.cuda_devices):
+            return f"device {device!r}: this machine has {len(machine.cuda_devices)} CUDA device(s), cuda:0 to cuda:{len(machine.cuda_devices) - 1}"
+    if device == "mps" and not machine.mps:
+        return "device 'mps' needs an Apple-silicon GPU (torch.backends.mps.is_available() is False here)"
+    return None
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Device(Pass):
+    """Place the model: one device (cpu / cuda / cuda:N / mps / auto), or spread it with accelerate's device_map.
+
+    ``device_map`` (``auto`` / ``balanced`` / ``balanced_low_0`` / ``sequential``) is how a model
+    larger than one GPU runs inside one machine: layers fill the GPUs up to ``max_memory``
+    (``{0: 20GiB, 1: 20GiB, cpu: 64GiB}``), spill to CPU RAM, then to ``offload_folder`` on disk.
+    Attacks capacity; every spill trades it for bandwidth (PCIe / disk reads per token).
+    """
+
+    name = "device"
+    layer = Layer.HARDWARE
+
+    device: str = "auto"
+    device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] | None = None
+    # YAML: a mapping {0: 20GiB, cpu: 64GiB}; stored as sorted "device=size" strings so the pass
+    # stays hashable (recipes detect duplicate passes with a set).
+    max_memory: dict[str, str] | tuple[str, ...] = ()
+    offload_folder: str | None = None
+
+    def __post_init__(self) -> None:
+        if not _DEVICE.match(self.device):
+            msg = f"pass 'device', parameter 'device': got {self.device!r}, expected one of 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'."
+            raise RecipeError(msg)
+        items = self.max_memory.items() if isinstance(self.max_memory, dict) else [tuple(str(m).split("=", 1)) if "=" in str(m) else (m, "") for m in self.max_memory]
+        for key, size in items:
+            if not (str(key).isdigit() or str(key) in ("cpu", "disk", "mps")) or not _SIZE.match(str(size)):
+                msg = (
+                    f"pass 'device', parameter 'max_memory': got {{{key!r}: {size!r}}}, expected a GPU index (0, 1, ...) or 'cpu' "
+                    "mapped to a size such as '20GiB' or '512MB'."
+                )
+                raise RecipeError(msg)
+        if (self.max_memory or self.offload_folder) and self.device_map is None:
+            raise RecipeError("pass 'device': max_memory and offload_folder only apply with a device_map; add device_map: auto.")
+        object.__setattr__(self, "max_memory", tuple(sorted(f"{k}={v}" for k, v in items)))
+
+    def memory_spec(self) -> tuple[str, ...]:
+        """``max_memory`` as the plan stores it: sorted ``"device=size"`` strings."""
+        return tuple(self.max_memory)
+
+    def check(self, plan: Plan, machine: Machine) -> str | None:
+        target = target_device(self.device, machine)
+        if (why := _device_missing(target, machine)) is not None:
+            return why
+        if self.device_map is not None:
+            if not machine.has_package("accelerate"):
+                return "device_map needs the accelerate package (pip install accelerate)"
+            if not machine.has_cuda and self.offload_folder is None and not self.max_memory:
+                return (
+                    "device_map spreads a model over GPUs, CPU RAM and disk; this machine has no GPU, so it would put every "
+                    "layer on the CPU: nothing to gain. Set offload_folder (and max_memory) to run a model larger than RAM from disk"
+                )
+        hw = plan.hardware
+        now = (target_device(hw.device, machine), hw.device_map, hw.max_memory, hw.offload_folder)
+        if now == (target, self.device_map, self.memory_spec(), self.offload_folder):
+            return f"the plan already places the model on {target}" + (f" with device_map={self.device_map}" if self.device_map else "")
+        return None
+
+    def unavailable(self, machine: Machine) -> str | None:
+        return _device_missing(target_device(self.device, machine), machine)
+
+    def apply(self, plan: Plan) -> Plan:
+        # "auto" stays symbolic (like threads: auto) so a recipe moves between machines; the
+        # engine resolves it when it builds.
+        return plan.replace_section("hardware", device=self.device, device_map=self.device_map, max_memory=self.memory_spec(), offload_folder=self.offload_folder)
+
+
+# --------------------------------------------------------------------------- matmul precision
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class MatmulPrecision(Pass):
+    """Let float32 matmuls use TF32 (CUDA, compute capability >= 8.0) or bf16 passes: torch.set_float32_matmul_precision.
+
+    ``high`` = TF32 (10-bit mantissa inputs, fp32 accumulate), ``medium`` = bf16. Attacks compute
+    (tensor cores run TF32 ~8x faster than fp32 FMA). Only float32 plans are affected. On CPUs the
+    knob reaches oneDNN's bf16 path only where bf16 matrix units exist (AVX512-BF16 / AMX).
+    """
+
+    name = "matmul_precision"
+    layer = Layer.HARDWARE
+
+    precision: Literal["highest", "high", "medium"] = "high"
+
+    def check(self, plan: Plan, machine: Machine) -> str | None:
+        hw = plan.hardware
+        if hw.matmul_precision == self.precision:
+            return f"the plan already uses matmul precision {self.precision!r}"
+        if hw.dtype != "float32":
+            return f"matmul precision changes float32 matmuls only; the plan runs in {hw.dtype}"
+        device = target_device(hw.device, machine)
+        if device.startswith("cuda"):
+            if machine.has_cuda and not machine.cuda_bf16:
+                return "TF32 needs a GPU of compute capability >= 8.0 (Ampere or newer); this one has none"
+            return None
+        if device == "cpu" and self.precision != "highest" and not machine.cpu_native_bf16:
+            return (
+                f"matmul precision {self.precision!r} only changes CPU matmuls on CPUs with bf16 matrix units (AVX512-BF16 or AMX); "
+                "this CPU has none, so there is nothing to gain (TF32 is a CUDA feature)"
+            )
+        return None
+
+    def apply(self, plan: Plan) -> Plan:
+        return plan.replace_section("hardware", matmul_precision=self.precision)
+
+
+# --------------------------------------------------------------------------- compile
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Compile(Pass):
+    """torch.compile the decode step (with a static KV cache, so every step has one shape).
+
+    Attacks per-token overhead (Python, kernel launches, unfused elementwise ops). The compile
+    itself runs at start-up: the pipeline records it as ``compile_s`` and keeps it out of the
+    steady-state numbers. ``reduce-overhead`` adds CUDA graphs (CUDA only); ``max-autotune``
+    also benchmarks kernel variants (minutes of start-up). A context_cap pass fixes the static
+    cache size, so prompts of different lengths reuse one compiled graph instead of recompiling.
+    """
+
+    name = "compile"
+    layer = Layer.HARDWARE
+
+    mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+
+    def check(self, plan: Plan, machine: Machine) -> str | None:
+        hw, mp = plan.hardware, plan.model
+        if hw.compile == self.mode:
+            return f"the plan already compiles the decode step with mode {self.mode!r}"
+        device = target_device(hw.device, machine)
+        if self.mode == "reduce-overhead" and not device.startswith("cuda"):
+            return "mode 'reduce-overhead' captures CUDA graphs and needs a CUDA device; on this plan's device use mode 'default'"
+        if mp.kv_cache in ("quantized", "offloaded", "off"):
+            return f"compiling the decode step needs a static KV cache; the plan's {mp.kv_cache} cache cannot be compiled"
+        if mp.quant_backend == "bitsandbytes":
+            return "bitsandbytes-quantized models cannot be compiled by transformers (hf_quantizer.is_compileable is False)"
+        if hw.offload_folder is not None or any(m.startswith("cpu=") for m in hw.max_memory):
+            return "compiling is not supported with CPU or disk offload (device_map); transformers skips it"
+        return None
+
+    def apply(self, plan: Plan) -> Plan:
+        return plan.replace_section("hardware", compile=self.mode)
