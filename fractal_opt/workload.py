@@ -2,7 +2,9 @@
 
 Suites are data files: the packaged ones live in ``fractal_opt/data/suites/NAME.yaml``; a recipe can
 also point ``suite:`` at its own ``.yaml`` (same shape) or ``.jsonl`` file (one request per line:
-``{"id": ..., "messages": [...]}`` or ``{"prompt": "..."}``).
+``{"id": ..., "messages": [...]}`` or ``{"prompt": "..."}``). A request may add ``"chunks": [...]``
+(retrieved passages, best first): they are put before the last user message as ``[1] ...``
+paragraphs, which the ``drop_chunks`` prompt budget can drop. docs/workloads.md lists the suites.
 
 Example:
     >>> from fractal_opt.workload import Workload
@@ -52,7 +54,22 @@ class Request:
             pairs = (("user", str(data["prompt"])),)
         else:
             raise RecipeError(f"{where}: request {rid!r} needs 'messages' (a chat) or 'prompt' (one user turn).")
+        if "chunks" in data:
+            pairs = _with_chunks(pairs, data["chunks"], where=f"{where}: request {rid!r}")
         return cls(id=rid, messages=pairs)
+
+
+def _with_chunks(pairs: tuple[tuple[str, str], ...], chunks: Any, *, where: str) -> tuple[tuple[str, str], ...]:
+    """Put retrieved passages (best first) before the last user message as ``[1] ...`` paragraphs,
+    the form the ``drop_chunks`` prompt budget recognizes (fractal_opt/prompting.py)."""
+    if not isinstance(chunks, list) or not all(isinstance(c, str) and c.strip() for c in chunks):
+        raise RecipeError(f"{where}: 'chunks' must be a list of non-empty strings (retrieved passages, best first), got {chunks!r}.")
+    last = max((i for i, (role, _) in enumerate(pairs) if role == "user"), default=None)
+    if last is None:
+        raise RecipeError(f"{where}: 'chunks' needs a user message to attach the passages to.")
+    context = "\n\n".join(f"[{i}] {' '.join(c.split())}" for i, c in enumerate(chunks, start=1))
+    role, content = pairs[last]
+    return (*pairs[:last], (role, f"Context:\n\n{context}\n\n{content}"), *pairs[last + 1 :])
 
 
 def packaged_suites() -> list[str]:
@@ -70,25 +87,43 @@ class Workload:
             ``.yaml`` / ``.jsonl`` file of requests.
         max_new_tokens: the token budget per request (generation stops earlier at end-of-sequence).
         repeats: timed passes over the suite per measurement (the warm-up is extra).
+        max_repeats: budget for adaptive repeats: when a comparison's interval is still too wide
+            after ``repeats`` rounds, rounds are added up to this many (None = ``repeats``, no extension).
         warmup: untimed passes over the suite (8 tokens each) after every build; kernels, caches
             and torch.compile warm up here.
         seed: seed for sampling, reset before every request so runs compare like for like.
         limit: use only the first ``limit`` requests of the suite (None = all).
+        load: how requests arrive (``{mode: closed|poisson, concurrency, rate, requests,
+            output_tokens, ...}``, see :class:`fractal_opt.load.LoadProfile`). With it, every plan is
+            measured through a server under that load (aggregate tokens/s, TTFT / ITL percentiles);
+            without it, the suite is served synchronously.
     """
 
     suite: str = "default"
     max_new_tokens: int = 64
     repeats: int = 3
+    max_repeats: int | None = None
     warmup: int = 1
     seed: int = 0
     limit: int | None = None
+    load: dict[str, Any] | None = None  # a load profile (fractal_opt.load.LoadProfile): measure through a server under load
 
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("repeats", 1), ("warmup", 0)):
             if getattr(self, name) < low:
                 raise RecipeError(f"workload, key {name!r}: got {getattr(self, name)}, expected an integer >= {low}.")
+        if self.max_repeats is not None and self.max_repeats < self.repeats:
+            raise RecipeError(f"workload, key 'max_repeats': got {self.max_repeats}, expected an integer >= repeats ({self.repeats}) or null.")
         if self.limit is not None and self.limit < 1:
             raise RecipeError(f"workload, key 'limit': got {self.limit}, expected an integer >= 1 or null.")
+        if self.load is not None:
+            self.load_profile()  # validates now, before any model loads
+
+    def load_profile(self):
+        """The ``load`` key as a :class:`fractal_opt.load.LoadProfile` (None without one)."""
+        from .load import LoadProfile
+
+        return None if self.load is None else LoadProfile.from_data(self.load)
 
     def requests(self) -> list[Request]:
         """Load the suite's requests (validated)."""

@@ -1,4 +1,16 @@
-"""Layer 3, scheduling: how requests share the machine (sequential vs padded static batches)."""
+"""Layer 3, scheduling: how requests share the machine.
+
+- ``batching``: one at a time (sequential), left-padded static batches, or transformers'
+  continuous batching (requests join and leave the running batch at every step).
+- ``concurrency``: the most requests in flight; ``mode: ramp`` tries rising levels (8, 16, 32, ...)
+  and stops at the last one where no guard trips.
+- ``streaming``: callers get tokens as they are generated, or all at the end.
+- ``queue``: a bounded queue and a per-request timeout.
+
+These passes change how requests are served, so the pipeline judges them under load (the
+workload's ``load`` profile): aggregate output tokens/s is the objective, TTFT / ITL percentiles
+are guards a recipe sets.
+"""
 
 from __future__ import annotations
 
@@ -10,36 +22,196 @@ from ..machine import Machine
 from ..passes import Layer, Pass, register
 from ..plan import Plan
 
-__all__ = ["Batching"]
+__all__ = ["Batching", "Concurrency", "Queue", "Streaming", "expand_ramps"]
 
 
 @register
 @dataclass(frozen=True, kw_only=True)
 class Batching(Pass):
-    """Serve requests one at a time (sequential) or in left-padded batches of up to ``batch_size``.
+    """Serve requests one at a time, in left-padded batches, or with continuous batching.
 
     A batch shares each weight read among its requests: decode is bound by bytes moved, so the
     machine produces more tokens per second in total while each request gets a little slower.
+    Continuous batching (transformers' ``init_continuous_batching``, paged KV cache) also lets a
+    request join when it arrives and leave when it ends, instead of waiting for a whole batch.
+    ``max_batch_tokens`` / ``num_blocks`` / ``page_size`` / ``max_memory_percent`` / ``scheduler``
+    are its ContinuousBatchingConfig; null lets the server size them.
     """
 
     name = "batching"
     layer = Layer.SCHEDULING
 
-    mode: Literal["sequential", "static"] = "static"
+    mode: Literal["sequential", "static", "continuous"] = "static"
     batch_size: int = 8
+    max_wait_ms: float = 10.0
+    max_batch_tokens: int | None = None
+    num_blocks: int | None = None
+    page_size: int = 256
+    max_memory_percent: float | None = None
+    scheduler: Literal["fifo", "prefill_first"] = "fifo"
 
     def __post_init__(self) -> None:
+        problems = []
         if self.batch_size < 1:
-            raise RecipeError(f"pass 'batching', parameter 'batch_size': got {self.batch_size}, expected an integer >= 1.")
+            problems.append(f"'batch_size': got {self.batch_size}, expected an integer >= 1")
+        if self.max_wait_ms < 0:
+            problems.append(f"'max_wait_ms': got {self.max_wait_ms}, expected a number of milliseconds >= 0")
+        for field_name in ("max_batch_tokens", "num_blocks"):
+            value = getattr(self, field_name)
+            if value is not None and value < 1:
+                problems.append(f"'{field_name}': got {value}, expected an integer >= 1 or null")
+        if self.page_size < 4:  # transformers' paged cache needs at least 4 tokens per page
+            problems.append(f"'page_size': got {self.page_size}, expected an integer >= 4")
+        if self.max_memory_percent is not None and not 0 < self.max_memory_percent <= 1:
+            problems.append(f"'max_memory_percent': got {self.max_memory_percent}, expected a fraction in (0, 1] or null")
+        if problems:
+            raise RecipeError("pass 'batching', parameter " + "; ".join(problems) + ".")
+
+    def unavailable(self, machine: Machine) -> str | None:
+        if self.mode == "continuous" and not machine.has_package("transformers"):
+            return "continuous batching needs transformers (pip install 'transformers>=5')"
+        return None
 
     def check(self, plan: Plan, machine: Machine) -> str | None:
-        size = 1 if self.mode == "sequential" else self.batch_size
-        if (plan.scheduling.batching, plan.scheduling.batch_size) == (self.mode, size):
-            return f"the plan already serves requests {self.mode} with batch size {size}"
-        if plan.model.kv_cache == "static" and self.mode == "static":
-            return "padded batches need a dynamic KV cache in this engine; the plan uses a static cache"
+        if reason := self.unavailable(machine):
+            return reason
+        new = self.apply(plan).scheduling
+        if new == plan.scheduling:
+            return f"the plan already serves requests {self.mode} with these settings"
+        if self.mode in ("static", "continuous") and plan.model.kv_cache != "dynamic":
+            return f"{self.mode} batching needs a dynamic KV cache in this engine; the plan's KV cache is {plan.model.kv_cache!r}"
+        if self.mode == "continuous":
+            if plan.hardware.attention not in ("sdpa", "eager") and not plan.hardware.attention.startswith(("flash", "paged")):
+                return f"continuous batching supports sdpa, eager and flash attention; the plan uses {plan.hardware.attention!r}"
+            from ..serving_cb import cb_unsupported
+
+            if bad := cb_unsupported(plan):
+                return f"transformers' continuous batching would ignore the plan's {bad}; use static or sequential batching"
         return None
 
     def apply(self, plan: Plan) -> Plan:
         size = 1 if self.mode == "sequential" else self.batch_size
-        return plan.replace_section("scheduling", batching=self.mode, batch_size=size)
+        changes: dict = {"batching": self.mode, "batch_size": size, "max_wait_ms": self.max_wait_ms}
+        if self.mode == "continuous":
+            changes.update(
+                cb_max_batch_tokens=self.max_batch_tokens,
+                cb_num_blocks=self.num_blocks,
+                cb_page_size=self.page_size,
+                cb_max_memory_percent=self.max_memory_percent,
+                cb_scheduler=self.scheduler,
+            )
+        return plan.replace_section("scheduling", **changes)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Concurrency(Pass):
+    """Limit the requests in flight; ``mode: ramp`` steps up through ``levels`` while no guard trips.
+
+    A ramp is run by the pipeline as one step per level, smallest first (start small and step
+    up, never jump to hundreds and fall over); it stops at the first level that is rolled back
+    (a guard tripped: a TTFT / ITL SLO of the recipe, memory headroom, failed requests) or that
+    no longer raises throughput, and keeps the last good level. Under a closed-loop load the
+    offered concurrency follows the level, so each level is measured with that many clients.
+    """
+
+    name = "concurrency"
+    layer = Layer.SCHEDULING
+
+    mode: Literal["fixed", "ramp"] = "fixed"
+    limit: int = 8
+    levels: tuple[int, ...] = (8, 16, 32, 64)
+
+    def __post_init__(self) -> None:
+        if self.limit < 1:
+            raise RecipeError(f"pass 'concurrency', parameter 'limit': got {self.limit}, expected an integer >= 1.")
+        if not self.levels or any(b <= a for a, b in zip(self.levels, self.levels[1:])) or self.levels[0] < 1:
+            raise RecipeError(f"pass 'concurrency', parameter 'levels': got {list(self.levels)}, expected rising integers >= 1 like [8, 16, 32].")
+
+    def check(self, plan: Plan, machine: Machine) -> str | None:
+        if plan.scheduling.batching == "sequential":
+            return "sequential serving runs one request at a time; apply batching (static or continuous) first"
+        if self.mode == "fixed" and plan.scheduling.max_concurrency == self.limit:
+            return f"the plan already runs at most {self.limit} requests at once"
+        return None
+
+    def apply(self, plan: Plan) -> Plan:
+        limit = self.limit if self.mode == "fixed" else self.levels[0]
+        changes: dict = {"max_concurrency": limit}
+        if plan.scheduling.batching == "static":
+            changes["batch_size"] = limit  # a static batch is its requests in flight
+        return plan.replace_section("scheduling", **changes)
+
+    def steps(self) -> list[Concurrency]:
+        """The fixed-level passes a ramp runs, in order (just ``self`` when fixed)."""
+        if self.mode == "fixed":
+            return [self]
+        return [Concurrency(mode="fixed", limit=level) for level in self.levels]
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Streaming(Pass):
+    """Stream tokens to callers as they are generated (on), or hand over the whole answer (off).
+
+    Streaming does not make tokens faster; it makes the first one visible sooner: the TTFT a
+    caller sees is the first token's arrival with streaming on and the last token's without.
+    """
+
+    name = "streaming"
+    layer = Layer.SCHEDULING
+
+    enabled: bool = True
+
+    def check(self, plan: Plan, machine: Machine) -> str | None:
+        if plan.scheduling.streaming == self.enabled:
+            return f"streaming is already {'on' if self.enabled else 'off'}"
+        return None
+
+    def apply(self, plan: Plan) -> Plan:
+        return plan.replace_section("scheduling", streaming=self.enabled)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Queue(Pass):
+    """Bound the waiting queue and give each request a deadline: overload is refused, not absorbed.
+
+    A request that finds ``max_queue`` requests waiting is rejected at once (RequestRejected); one
+    that is not done ``timeout_s`` seconds after submission is stopped and its cache freed.
+    """
+
+    name = "queue"
+    layer = Layer.SCHEDULING
+
+    max_queue: int = 64
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise RecipeError(f"pass 'queue', parameter 'max_queue': got {self.max_queue}, expected an integer >= 1.")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise RecipeError(f"pass 'queue', parameter 'timeout_s': got {self.timeout_s}, expected seconds > 0 or null (no deadline).")
+
+    def check(self, plan: Plan, machine: Machine) -> str | None:
+        if (plan.scheduling.max_queue, plan.scheduling.timeout_s) == (self.max_queue, self.timeout_s):
+            return f"the plan already queues at most {self.max_queue} requests with timeout {self.timeout_s}"
+        return None
+
+    def apply(self, plan: Plan) -> Plan:
+        return plan.replace_section("scheduling", max_queue=self.max_queue, timeout_s=self.timeout_s)
+
+
+def expand_ramps(passes: list[Pass]) -> list[tuple[Pass, str | None]]:
+    """Each pass with the ramp it belongs to: a ramping Concurrency becomes one pass per level.
+
+    Returns ``(pass, ramp_id)`` pairs; ``ramp_id`` is None outside a ramp. The pipeline stops a
+    ramp (skips its remaining levels) at the first level that is not kept.
+    """
+    out: list[tuple[Pass, str | None]] = []
+    for index, p in enumerate(passes):
+        if isinstance(p, Concurrency) and p.mode == "ramp":
+            out.extend((step, f"ramp-{index}") for step in p.steps())
+        else:
+            out.append((p, None))
+    return out
