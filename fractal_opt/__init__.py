@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .budget import budget  # arithmetic only: no torch (the module and the function share a name)
 from .errors import EngineError, FractalOptError, ModelSourceError, RecipeError
 from .passes import Layer, Pass, get_pass, passes_by_layer, register, registry
 from .plan import Plan
@@ -46,6 +47,7 @@ __all__ = [
     "Result",
     "Trace",
     "Workload",
+    "budget",
     "dump_recipe",
     "get_pass",
     "load_recipe",

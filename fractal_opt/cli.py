@@ -4,6 +4,7 @@
     fractal-opt check RECIPE                       validate a recipe without loading any model
     fractal-opt passes                             list every pass by layer, and whether it can run here
     fractal-opt generate RECIPE PROMPT             answer one prompt with a (tuned) recipe's deployment
+    fractal-opt budget MODEL [--context N] ...     memory and decode-ceiling budget from a model's config
 
 Exit codes: 0 success, 1 the run failed, 2 invalid input (the message says what and how to fix it).
 """
@@ -79,6 +80,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_budget(args: argparse.Namespace) -> int:
+    from .budget import budget
+
+    b = budget(args.model, context=args.context, batch=args.batch, dtype=args.dtype, weights_bits=args.weights_bits, kv_bits=args.kv_bits,
+               memory_gb=args.memory_gb, bandwidth_gbs=args.bandwidth_gbs)
+    if args.json:
+        import json
+
+        data = b.to_dict()
+        data["shape"] = dataclasses.asdict(b.shape)
+        print(json.dumps(data, indent=2))
+    else:
+        print(b.to_text())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fractal-opt", description="Measure, change one thing, measure again: optimize LLM inference layer by layer.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--max-new-tokens", type=int, default=None)
     gen.set_defaults(func=_cmd_generate)
+    bud = sub.add_parser("budget", help="memory and decode-ceiling budget of a model, from its config (no weights loaded)")
+    bud.add_argument("model", help="embedded model name, model folder, config.json, .gguf file, or hub id (online)")
+    bud.add_argument("--context", type=int, default=2048, help="tokens per sequence the KV cache holds (default 2048)")
+    bud.add_argument("--batch", type=int, default=1, help="sequences served together (default 1)")
+    bud.add_argument("--dtype", default="bfloat16", help="weight and KV dtype (default bfloat16)")
+    bud.add_argument("--weights-bits", type=int, default=None, help="bits per weight of the blocks' linear layers after quantization")
+    bud.add_argument("--kv-bits", type=int, default=None, help="bits per KV-cache element (default: the dtype's)")
+    bud.add_argument("--memory-gb", type=float, default=None, help="device memory in GB (10^9 bytes): how many sequences fit")
+    bud.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth in GB/s: the decode ceiling")
+    bud.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    bud.set_defaults(func=_cmd_budget)
     return parser
 
 

@@ -19,10 +19,15 @@ from typing import Any
 from .engine import Engine
 from .evals import load_eval_set, score
 from .machine import Machine
-from .measure import METRICS, Measurement, compare, measure, noise_bands
+from .measure import Measurement, measure
 from .plan import Plan
 from .passes import Layer
 from .quality import agreement, agreement_between, build_reference, model_probes
+from .comparison import StepMeasurer
+from .errors import EngineError
+from .loading import resolve_device
+from .machine_limits import probe_limits
+from .layers.scheduling import expand_ramps
 from .recipe import Recipe, dump_recipe, load_recipe
 from .trace import Step, Trace
 
@@ -94,10 +99,19 @@ class Pipeline:
         machine = self.machine or Machine.probe()
         trace = Trace(recipe=recipe.to_dict(), machine=machine.to_dict())
         requests = recipe.workload.requests()
-        total = len(recipe.passes)
+        # A concurrency ramp runs as one step per level (layers/scheduling.py: expand_ramps).
+        schedule = expand_ramps(list(recipe.passes))
+        total = len(schedule)
 
         # --- baseline, measured twice (A/A) to calibrate the noise of this machine and workload
         plan = recipe.base_plan()
+        say("probing the machine's bandwidth and matmul ceilings (cached per machine)")
+        limits = probe_limits(resolve_device(plan.hardware.device), machine=machine)
+        trace.machine["limits"] = limits.to_dict()
+        steps = StepMeasurer(machine=machine, workload=recipe.workload, requests=requests, min_effect=recipe.policy.min_effect, limits=limits, progress=say)
+        refused, _ = steps.preflight(plan)
+        if refused:
+            raise EngineError(f"the baseline cannot run on this machine: {refused}")
         say(f"baseline: loading {recipe.model}")
         t0 = time.perf_counter()
         engine = Engine.build(plan, machine=machine, progress=say, max_new_tokens=recipe.workload.max_new_tokens)
@@ -107,9 +121,7 @@ class Pipeline:
         say("baseline: scoring the reference text")
         self._reference = build_reference(engine, {}, recipe.quality)
         self._model_probes: dict[tuple, dict[str, float]] = {}
-        first = self._measure(engine, requests, "baseline (A/A calibration, 1 of 2)")
-        current = self._measure(engine, requests, "baseline (A/A calibration, 2 of 2)")
-        trace.calibration = {m: round(c, 4) for m in METRICS if (c := compare(first, current, m)) is not None}
+        current, trace.calibration = steps.calibrate(engine, "baseline (A/A calibration, interleaved)")
         self._reference.outputs = current.outputs
         current_quality = self._quality(engine, current, "baseline")
         trace.baseline = Step(
@@ -118,13 +130,20 @@ class Pipeline:
             metrics=_metrics(current, current_quality), plan=plan.to_dict(), census=engine.census(),
             timings={"build_s": round(build_s, 2), "warmup_s": round(current.warmup_s, 2)},
         )
+        trace.baseline.metrics["roofline"] = steps.roofline(engine, current)
         baseline_metrics = trace.baseline.metrics
         self._save(trace, plan, recipe)
 
         # --- the passes, bottom up
-        for index, p in enumerate(recipe.passes, start=1):
+        for index, (p, ramp) in enumerate(schedule, start=1):
             label = f"[{index}/{total}] {p.layer.section}/{p.describe()}"
             step = Step(pass_name=p.name, layer=p.layer.section, params=p.params(), status="", reason="")
+            if ramp is not None and index > 1 and schedule[index - 2][1] == ramp and trace.steps[-1].status != "kept":
+                # Step up only from a level that held: the last kept level is the ramp's answer.
+                step.status, step.reason = "skipped", f"concurrency ramp stopped: the previous level was {trace.steps[-1].status.replace('_', ' ')}"
+                say(f"{label}: skipped ({step.reason})")
+                self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
+                continue
             reason = p.check(plan, machine)
             if reason is not None:
                 step.status, step.reason = "skipped", f"check: {reason}"
@@ -132,14 +151,29 @@ class Pipeline:
                 self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
                 continue
             candidate = p.apply(plan).with_applied(p.name)
+            refused, numbers = steps.preflight(candidate)
+            if refused:
+                step.status, step.reason, step.metrics = "skipped", refused, {"preflight": numbers}
+                say(f"{label}: skipped ({refused})")
+                self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
+                continue
             try:
+                mode = steps.before_build(candidate, plan)
                 say(f"{label}: building")
                 t0 = time.perf_counter()
                 engine = Engine.build(candidate, machine=machine, progress=say, max_new_tokens=recipe.workload.max_new_tokens)
                 step.timings["build_s"] = round(time.perf_counter() - t0, 2)
                 step.census = engine.census()
+                if candidate.hardware.compile is not None:
+                    # Start-up cost a user pays once: compile every shape the suite needs (full
+                    # budget, so the static cache reaches its final size) before the clock runs.
+                    say(f"{label}: compiling the decode step (start-up cost, shown as compile_s, excluded from the numbers)")
+                    t0 = time.perf_counter()
+                    engine.serve(requests, max_new_tokens=recipe.workload.max_new_tokens, seed=recipe.workload.seed)
+                    step.timings["compile_s"] = round(time.perf_counter() - t0, 2)
                 t0 = time.perf_counter()
-                after = self._measure(engine, requests, label)
+                cmp = steps.compare(engine, current, mode=mode, objective=recipe.policy.objective_for(p.layer), label=label)
+                current, after = cmp.before, cmp.after
                 step.timings["warmup_s"] = round(after.warmup_s, 2)
                 step.timings["measure_s"] = round(time.perf_counter() - t0, 2)
                 quality = self._quality(engine, after, label)
@@ -154,8 +188,8 @@ class Pipeline:
                 self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
                 continue
             step.metrics = _metrics(after, quality)
-            bands = noise_bands(current, after, trace.calibration, min_effect=recipe.policy.min_effect)
-            changes = {m: compare(current, after, m) for m in METRICS}
+            step.metrics.update(intervals=cmp.intervals, comparison=cmp.info, roofline=steps.roofline(engine, after))
+            bands, changes = cmp.bands, cmp.changes
             before_values = {**_metrics(current, current_quality)}
             after_values = {**step.metrics, **quality}
             before_values.update(current_quality)
@@ -165,7 +199,10 @@ class Pipeline:
             step.plan = candidate.to_dict()
             step.status = "kept" if verdict.kept else "rolled_back"
             step.reason = verdict.reason
+            if "compile_s" in step.timings:  # a start-up cost the numbers exclude: shown where the verdict is read
+                step.reason += f" Start-up: compiling took {step.timings['compile_s']:.1f} s (excluded from the numbers above)."
             say(f"{label}: {step.status.replace('_', ' ')} ({verdict.reason[:150]})")
+            steps.after_verdict(verdict.kept, engine, plan if not verdict.kept else candidate, mode)
             if verdict.kept:
                 plan, current, current_quality = candidate, after, quality
             self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
@@ -232,6 +269,7 @@ def _metrics(m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = dict(m.summary())
     out["spread"] = m.spreads()
     out["memory_source"] = m.memory_source
+    out.update({k: v for k, v in m.extra.items() if k in ("gpu", "cuda_max_reserved_mb", "capacity_mb", "load")})  # GPU telemetry: "unavailable" on CPU; load: the profile and per-round request counts
     out["quality"] = dict(quality)
     return out
 

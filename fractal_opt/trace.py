@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .report_metrics import calibration_lines, measurement_lines
+
 __all__ = ["Step", "Trace"]
 
 # Columns of the tower table: (metric key, header, format). Quality keys live under "quality".
@@ -140,13 +142,14 @@ class Trace:
         wl = self.recipe.get("workload", {})
         lines += [f"Workload: suite `{wl.get('suite')}`, {wl.get('max_new_tokens')} new tokens max, {wl.get('repeats')} repeats after {wl.get('warmup')} warm-up. "
                   "Numbers are medians; (±%) is the change against the previous kept plan; KL and agreement are against the baseline.", ""]
-        if self.calibration:
-            noisy = ", ".join(f"{k} {v:+.1%}" for k, v in self.calibration.items() if isinstance(v, int | float))
-            lines += [f"Noise calibration (baseline measured twice, A/A change): {noisy}.", ""]
+        lines += calibration_lines(self.calibration)
         lines += ["| " + " | ".join(self.headers()) + " |", "|" + "---|" * len(self.headers())]
         for row in self.rows():
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
         lines.append("")
+        lines += _work_table([self.baseline] if self.baseline else [], self.steps)
+        lines += _load_table([self.baseline] if self.baseline else [], self.steps)
+        lines += measurement_lines(([self.baseline] if self.baseline else []) + self.steps)
         if self.final:
             kept = self.final.get("kept") or []
             lines.append(f"Final plan: {', '.join(kept) if kept else 'the baseline (no pass was kept)'}.")
@@ -181,3 +184,57 @@ def _pass_label(step: Step) -> str:
         return "baseline"
     inner = ", ".join(f"{k}={v}" for k, v in step.params.items())
     return f"{step.pass_name}({inner})"
+
+
+def _work_table(baseline: list[Step], steps: list[Step]) -> list[str]:
+    """Markdown lines: how much work each measured step asked for (application-layer effects).
+
+    Tokens generated per request, the share of requests stopped by the token cap (a cap that cuts
+    answers short shows here and in the accuracy column), response-cache hits and prompt tokens
+    removed by a prompt budget. Empty when no step changed any of them from zero.
+    """
+    measured = [s for s in baseline + steps if s.metrics]
+    keys = ("hit_cap", "cache_hit_rate", "prompt_tokens_saved")
+    if not any(s.metrics.get(k) for s in measured for k in keys):
+        return []
+    out = ["Work per request (medians; hit cap and cache hits are shares of requests; accuracy on the eval set when one is given):", "",
+           "| pass | status | new tokens | hit cap | cache hits | prompt tokens saved | accuracy |", "|---|---|---|---|---|---|---|"]
+    for s in measured:
+        m = s.metrics
+        acc = s.value("accuracy")
+        cells = [
+            _pass_label(s), s.status,
+            f"{m['new_tokens']:.0f}" if isinstance(m.get("new_tokens"), int | float) else "–",
+            f"{m.get('hit_cap') or 0:.0%}", f"{m.get('cache_hit_rate') or 0:.0%}", f"{m.get('prompt_tokens_saved') or 0:.0f}",
+            f"{acc:.2f}" if isinstance(acc, int | float) else "–",
+        ]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return [*out, ""]
+
+
+def _load_table(baseline: list[Step], steps: list[Step]) -> list[str]:
+    """Markdown lines: each measured step under the workload's load profile (scheduling passes are
+    judged there): aggregate tokens/s, TTFT and ITL p50 / p90 / p99, and how the requests ended.
+    Empty when the workload has no load profile."""
+    measured = [s for s in baseline + steps if s.metrics and s.metrics.get("load")]
+    if not measured:
+        return []
+    load = measured[0].metrics["load"]
+    rate = f", {load.get('rate')}/s" if load.get("mode") == "poisson" else ""
+    out = [f"Under load ({load.get('mode')}{rate}, {load.get('requests')} requests per round; TTFT as a streaming caller sees it, queueing included):", "",
+           "| pass | status | clients | output tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | done / timeout / cancelled / rejected |",
+           "|---|---|---|---|---|---|---|"]
+
+    def trio(m: dict, name: str) -> str:
+        vals = [m.get(f"{name}_p{q}") for q in (50, 90, 99)]
+        return " / ".join(f"{v:.0f}" if isinstance(v, int | float) else "–" for v in vals)
+
+    for s in measured:
+        m, info = s.metrics, s.metrics["load"]
+        ended = {k: sum(r.get(k, 0) for r in info.get("rounds", [])) for k in ("done", "timeout", "cancelled", "rejected")}
+        tps = m.get("throughput_tokens_per_s")
+        cells = [_pass_label(s), s.status, str(info.get("clients", "–")), f"{tps:.1f}" if isinstance(tps, int | float) else "–",
+                 trio(m, "ttft_ms"), trio(m, "itl_ms"), " / ".join(str(ended[k]) for k in ("done", "timeout", "cancelled", "rejected"))]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return [*out, ""]
+
