@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .budget import load_config, shape_from_config
-from .engine import Engine, clear_cache
+from .engine import Engine, clear_cache, evict_except
 from .machine import Machine
 from .measure import METRICS, Measurement, measure, measure_pair, paired_changes
 from .noise import band
@@ -168,9 +168,13 @@ class StepMeasurer:
         engine is touched in the engine cache, so the rolled-back model is the one evicted next
         (back to back: everything is released and the previous is reloaded when next needed)."""
         if kept:
+            if self.previous is not None and self.previous is not candidate:
+                self.previous.close()
             self.previous = candidate
+            evict_except({candidate.plan.weights_key()})
             return
         candidate.close()
+        evict_except({plan.weights_key()})
         if mode == "interleaved":
             self.previous = Engine.build(plan, machine=self.machine, progress=self.say, max_new_tokens=self.workload.max_new_tokens)
         else:

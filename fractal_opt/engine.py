@@ -65,6 +65,16 @@ class Generation:
         return len(self.token_ids)
 
 
+def evict_except(keep: set[tuple]) -> None:
+    """Drop cached models whose ``Plan.weights_key()`` is not in ``keep``, so a rolled-back
+    candidate's weights do not stay resident and inflate the next measurements' memory."""
+    for key in [k for k in _MODEL_CACHE if k not in keep]:
+        del _MODEL_CACHE[key]
+    import gc
+
+    gc.collect()
+
+
 def clear_cache() -> None:
     """Drop every cached model (frees memory; the next build loads again)."""
     _MODEL_CACHE.clear()

@@ -132,6 +132,9 @@ class Pipeline:
         )
         trace.baseline.metrics["roofline"] = steps.roofline(engine, current)
         baseline_metrics = trace.baseline.metrics
+        # The weights the plan holds, from the census: peak RSS cannot show a quantization's
+        # saving while the previous plan's model is resident for interleaved measurement.
+        baseline_metrics["weight_mb"] = self._weight_mb = round(trace.baseline.census["weight_bytes"] / 2**20, 1)
         self._save(trace, plan, recipe)
 
         # --- the passes, bottom up
@@ -188,6 +191,7 @@ class Pipeline:
                 self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
                 continue
             step.metrics = _metrics(after, quality)
+            step.metrics["weight_mb"] = round(step.census["weight_bytes"] / 2**20, 1)
             step.metrics.update(intervals=cmp.intervals, comparison=cmp.info, roofline=steps.roofline(engine, after))
             bands, changes = cmp.bands, cmp.changes
             before_values = {**_metrics(current, current_quality)}
@@ -205,6 +209,7 @@ class Pipeline:
             steps.after_verdict(verdict.kept, engine, plan if not verdict.kept else candidate, mode)
             if verdict.kept:
                 plan, current, current_quality = candidate, after, quality
+                self._weight_mb = step.metrics["weight_mb"]
             self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
 
         trace.finished = True
@@ -244,8 +249,9 @@ class Pipeline:
 
     def _finish(self, trace: Trace, plan: Plan, baseline_metrics: dict, current: Measurement, quality) -> None:
         now = _metrics(current, quality or {})
+        now["weight_mb"] = getattr(self, "_weight_mb", None)
         vs = {}
-        for m in ("decode_tokens_per_s", "ttft_ms", "e2e_ms", "throughput_tokens_per_s", "peak_memory_mb"):
+        for m in ("decode_tokens_per_s", "ttft_ms", "e2e_ms", "throughput_tokens_per_s", "weight_mb"):
             b, a = baseline_metrics.get(m), now.get(m)
             if b and a is not None:
                 vs[m] = round(a / b - 1, 4)

@@ -23,6 +23,7 @@ COLUMNS = (
     ("e2e_ms", "e2e ms", "{:.0f}"),
     ("throughput_tokens_per_s", "throughput tok/s", "{:.1f}"),
     ("peak_memory_mb", "peak MB", "{:.0f}"),
+    ("weight_mb", "weights MB", "{:.0f}"),
     ("kl_mean", "KL", "{:.4f}"),
     ("agreement", "agree", "{:.2f}"),
 )
