@@ -61,6 +61,10 @@ class LoadProfile:
         memory_headroom: share of the device's memory that must stay free; a round that leaves
             less fails (and a concurrency ramp stops).
         seed: seeds output lengths, arrival gaps and cancellations.
+        slo_ttft_ms / slo_tpot_ms / slo_e2e_ms: latency objectives per request (None = none):
+            time to first token, mean time per output token after the first, end to end. With
+            any of them set, the summary reports goodput: the requests (and their tokens) per
+            second that finished and met every objective.
     """
 
     mode: Literal["closed", "poisson"] = "closed"
@@ -74,6 +78,9 @@ class LoadProfile:
     cancel_after_s: float = 0.5
     memory_headroom: float = 0.1
     seed: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_e2e_ms: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -89,8 +96,17 @@ class LoadProfile:
             problems.append(f"'cancel_fraction': got {self.cancel_fraction}, expected a fraction in [0, 1]")
         if not 0 <= self.memory_headroom < 1:
             problems.append(f"'memory_headroom': got {self.memory_headroom}, expected a fraction in [0, 1)")
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "slo_e2e_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                problems.append(f"{name!r}: got {value}, expected milliseconds > 0 or null")
         if problems:
             raise RecipeError("workload, key 'load': " + "; ".join(problems) + ".")
+
+    def slos(self) -> dict[str, float]:
+        """The latency objectives that are set, by record attribute."""
+        pairs = (("ttft_ms", self.slo_ttft_ms), ("tpot_ms", self.slo_tpot_ms), ("e2e_ms", self.slo_e2e_ms))
+        return {name: limit for name, limit in pairs if limit is not None}
 
     @classmethod
     def from_data(cls, data: Any) -> LoadProfile:
@@ -135,6 +151,23 @@ class LoadRecord:
         return (self.t_end - self.t_submit) * 1000
 
     @property
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first (ms); None with fewer than 2 tokens."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) * 1000 / (len(self.token_times) - 1)
+
+    def meets(self, slos: dict[str, float]) -> bool:
+        """Finished, and every objective in ``slos`` (record attribute -> limit in ms) met."""
+        if self.status != "done":
+            return False
+        for name, limit in slos.items():
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                return False
+        return True
+
+    @property
     def itl_ms(self) -> list[float]:
         """Gaps between consecutive generated tokens (ms), first token excluded."""
         return [(b - a) * 1000 for a, b in zip(self.token_times, self.token_times[1:])]
@@ -155,6 +188,7 @@ class LoadResult:
 
     records: list[LoadRecord]
     wall_s: float
+    slos: dict[str, float] = field(default_factory=dict)  # record attribute -> limit (ms)
 
     def counts(self) -> dict[str, int]:
         out = {s: 0 for s in ("done", "timeout", "cancelled", "rejected", "error")}
@@ -183,6 +217,11 @@ class LoadResult:
             for q in (50, 90, 99):
                 v = percentile(values, q)
                 out[f"{name}_p{q}"] = None if v is None else round(v, 3)
+        if self.slos and self.wall_s > 0:
+            good = [r for r in self.records if r.meets(self.slos)]
+            out["slo_met"] = round(len(good) / max(1, len(self.records)), 4)
+            out["goodput_requests_per_s"] = round(len(good) / self.wall_s, 4)
+            out["goodput_tokens_per_s"] = round(sum(len(r.token_ids) for r in good) / self.wall_s, 3)
         return out
 
 
@@ -238,7 +277,7 @@ def run_load(server: Server, items: Sequence[LoadItem], profile: LoadProfile, *,
     if len(records) != len(items):
         raise EngineError(f"load lost requests: {len(items) - len(records)} of {len(items)} were never submitted")
     end = max((r.t_end for r in records), default=t0)
-    return LoadResult(records=records, wall_s=end - t0)
+    return LoadResult(records=records, wall_s=end - t0, slos=profile.slos())
 
 
 def _wait(ticket: Ticket | None) -> None:
@@ -349,7 +388,8 @@ class LoadRunner:
             "memory_headroom_mb": self.capacity_mb - mem.peak_mb if self.capacity_mb and mem.peak_mb is not None else None,
             "wall_s": result.wall_s,
             **{k: summary[k] for k in ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99")},
-            "load": {k: summary[k] for k in ("requests", "done", "timeout", "cancelled", "rejected", "error", "output_tokens")},
+            "load": {k: summary[k] for k in ("requests", "done", "timeout", "cancelled", "rejected", "error", "output_tokens", "slo_met") if k in summary},
+            "goodput_tokens_per_s": summary.get("goodput_tokens_per_s"),  # None unless the profile sets an SLO
         }
         self.repeats.append(row)
         self.memory_source = mem.source

@@ -47,6 +47,7 @@ METRICS: dict[str, bool] = {
     "prefill_ms": False,
     "e2e_ms": False,
     "throughput_tokens_per_s": True,
+    "goodput_tokens_per_s": True,
     "decode_ms_per_token": False,
     "peak_memory_mb": False,
     "new_tokens": False,
@@ -69,7 +70,7 @@ PERCENTILES = (50, 90, 99)
 # Percentiles are computed over the tokens/requests of each round (for paired comparisons) and
 # pooled over all rounds (for the summary).
 PERCENTILE_METRICS = tuple(f"{m}_p{q}" for m in ("ttft_ms", "itl_ms", "e2e_ms") for q in PERCENTILES)
-PER_REPEAT = ("throughput_tokens_per_s", "peak_memory_mb", "cpu_utilization", "memory_headroom_mb", *PERCENTILE_METRICS)
+PER_REPEAT = ("throughput_tokens_per_s", "goodput_tokens_per_s", "peak_memory_mb", "cpu_utilization", "memory_headroom_mb", *PERCENTILE_METRICS)
 
 
 class TokenClock:

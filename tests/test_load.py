@@ -148,3 +148,30 @@ def test_pipeline_judges_batching_under_the_load_profile(tiny_dir, small_recipe,
     assert steps[0].status in ("kept", "rolled_back") and steps[0].metrics.get("throughput_tokens_per_s")
     if steps[1].status != "kept":  # a ramp never steps up from a level that did not hold
         assert steps[2].status == "skipped" and "ramp stopped" in steps[2].reason
+
+
+def test_goodput_counts_only_requests_that_meet_every_slo():
+    """Goodput: a request that finished but missed an SLO, or did not finish, adds nothing."""
+    from fractal_opt.load import LoadRecord, LoadResult
+
+    def rec(rid, status, first, times):
+        return LoadRecord(id=rid, status=status, max_new_tokens=4, prompt_tokens=3, t_submit=0.0, t_end=times[-1] if times else 1.0,
+                          token_ids=list(range(len(times))), token_times=times, delivered_times=[first, *times[1:]] if times else [])
+
+    fast = rec("a", "done", 0.1, [0.1, 0.2, 0.3])  # TTFT 100 ms, 100 ms per token
+    slow_start = rec("b", "done", 0.9, [0.9, 1.0, 1.1])  # TTFT 900 ms
+    timed_out = rec("c", "timeout", 0.1, [0.1, 0.2])
+    result = LoadResult(records=[fast, slow_start, timed_out], wall_s=2.0, slos={"ttft_ms": 500.0, "tpot_ms": 150.0})
+    summary = result.summary()
+    assert summary["slo_met"] == round(1 / 3, 4)
+    assert summary["goodput_tokens_per_s"] == 1.5  # 3 tokens of the one good request / 2 s
+    assert "goodput_tokens_per_s" not in LoadResult(records=[fast], wall_s=2.0).summary()
+
+
+def test_slo_must_be_positive():
+    """A non-positive SLO is rejected with the field and the value."""
+    from fractal_opt.errors import RecipeError
+    from fractal_opt.load import LoadProfile
+
+    with pytest.raises(RecipeError, match="'slo_ttft_ms': got 0"):
+        LoadProfile(slo_ttft_ms=0)
