@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,7 +35,11 @@ _GPU_BYTES = 2**30
 # without native instructions is ~10x slower, so it gets a smaller square (512).
 _MATMUL_N = {"float32": 1024, "bfloat16": 512}
 _GPU_MATMUL_N = 4096
-_PROBE_VERSION = 1  # bump when the method changes, so stale cache files are not reused
+_PROBE_VERSION = 2  # bump when the method changes, so stale cache files are not reused
+# A probe taken while other work keeps more than this share of the logical cores busy (1-minute
+# load average) under-measures the ceilings: it is cached but re-probed on the next run, and
+# the cache keeps, per ceiling, the best reading so far (a ceiling is a maximum).
+_BUSY_LOAD_SHARE = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +54,7 @@ class MachineLimits:
     probe_s: float = 0.0
     fingerprint: str = ""
     cached: bool = False
+    load_average: float | None = None  # 1-minute load average when probed (None: unknown)
 
     def flops_for(self, dtype: str) -> float | None:
         return self.peak_flops.get(dtype) or self.peak_flops.get("float32")
@@ -82,19 +88,25 @@ def probe_limits(device: str = "cpu", *, machine: Machine | None = None, cache: 
     threads = threads or machine.physical_cores
     fp = fingerprint(machine, device, threads, torch.__version__)
     path = Path(cache_dir()) / f"machine-{fp}.json"
+    previous: MachineLimits | None = None
     if cache and path.is_file():
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             data["cached"] = True
-            return MachineLimits(**data)
+            previous = MachineLimits(**data)
         except (OSError, ValueError, TypeError):
-            pass  # a corrupt or old cache file is re-measured and overwritten
+            previous = None  # a corrupt or old cache file is re-measured and overwritten
+        if previous is not None and not _was_busy(previous, machine):
+            return previous
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         t0 = time.perf_counter()
         limits = _measure(device)
-        limits = MachineLimits(**{**limits.to_dict(), "threads": threads, "probe_s": round(time.perf_counter() - t0, 3), "fingerprint": fp})
+        limits = MachineLimits(**{**limits.to_dict(), "threads": threads, "probe_s": round(time.perf_counter() - t0, 3), "fingerprint": fp,
+                                  "load_average": _load_average()})
+        if previous is not None:  # an earlier probe on a busy machine: keep the best of both
+            limits = _best_of(previous, limits)
     finally:
         torch.set_num_threads(before)
     if cache:
@@ -147,3 +159,22 @@ def _measure(device: str) -> MachineLimits:
     if gpu:
         flops["float16"] = flops["bfloat16"]  # same tensor-core rate on every GPU that has both
     return MachineLimits(device=device, bandwidth_bytes_per_s=n_bytes / read_s, copy_bandwidth_bytes_per_s=2 * n_bytes / copy_s, peak_flops=flops)
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def _was_busy(limits: MachineLimits, machine: Machine) -> bool:
+    """Whether a cached probe was taken while the machine was busy (so it may under-measure)."""
+    return limits.load_average is None or limits.load_average > _BUSY_LOAD_SHARE * machine.logical_cores
+
+
+def _best_of(old: MachineLimits, new: MachineLimits) -> MachineLimits:
+    """Per ceiling, the higher reading; the load average of the newer probe."""
+    flops = {k: max(old.peak_flops.get(k, 0.0), v) for k, v in new.peak_flops.items()}
+    return MachineLimits(**{**new.to_dict(), "bandwidth_bytes_per_s": max(old.bandwidth_bytes_per_s, new.bandwidth_bytes_per_s),
+                            "copy_bandwidth_bytes_per_s": max(old.copy_bandwidth_bytes_per_s, new.copy_bandwidth_bytes_per_s), "peak_flops": flops})

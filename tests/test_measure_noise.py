@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import math
 import random
 
@@ -124,6 +126,7 @@ def test_machine_limits_cached_per_fingerprint(tmp_path, monkeypatch, machine):
     monkeypatch.setenv("FRACTAL_OPT_CACHE", str(tmp_path))
     monkeypatch.setattr(machine_limits, "_CPU_BYTES", 16 * 2**20)  # keep the test short; the real probe uses 256 MiB
     monkeypatch.setattr(machine_limits, "_MATMUL_N", {"float32": 128, "bfloat16": 64})
+    monkeypatch.setattr(machine_limits, "_load_average", lambda: 0.1)  # a quiet machine: the cache is trusted
     first = machine_limits.probe_limits("cpu", machine=machine, threads=1)
     assert not first.cached and first.bandwidth_bytes_per_s > 0 and first.peak_flops["float32"] > 0
     files = list(tmp_path.glob("machine-*.json"))
@@ -211,3 +214,20 @@ def test_pipeline_records_comparison_intervals_and_roofline(tiny_dir, small_reci
     assert mode.replace("_", " ") in report
     if mode == "back_to_back":
         assert trace["baseline"]["metrics"]["roofline"]["bound"] == "capacity-bound"  # 500 MB RSS on a "15 MB" device
+
+
+def test_a_probe_taken_on_a_busy_machine_is_redone_and_keeps_the_best(tmp_path, monkeypatch, machine):
+    """A cached probe taken under load is re-measured next time, and each ceiling keeps its best reading."""
+    from fractal_opt import machine_limits
+
+    monkeypatch.setenv("FRACTAL_OPT_CACHE", str(tmp_path))
+    monkeypatch.setattr(machine_limits, "_CPU_BYTES", 16 * 2**20)
+    monkeypatch.setattr(machine_limits, "_MATMUL_N", {"float32": 128, "bfloat16": 64})
+    monkeypatch.setattr(machine_limits, "_load_average", lambda: 9.0)  # busier than the 2 cores
+    first = machine_limits.probe_limits("cpu", machine=machine, threads=1)
+    path = tmp_path / f"machine-{first.fingerprint}.json"
+    inflated = {**json.loads(path.read_text()), "bandwidth_bytes_per_s": 1e15}
+    path.write_text(json.dumps(inflated))
+    second = machine_limits.probe_limits("cpu", machine=machine, threads=1)
+    assert not second.cached  # re-measured, because the cached one was taken on a busy machine
+    assert second.bandwidth_bytes_per_s == 1e15  # the best reading of the two is kept
