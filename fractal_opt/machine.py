@@ -33,6 +33,7 @@ class Machine:
     cuda_memory_bytes: tuple[int, ...] = ()
     cuda_bf16: bool = False
     mps: bool = False
+    torch_threads: int | None = None  # torch's intra-op thread count when probed (its default here)
     packages: dict[str, str | None] = field(default_factory=dict)  # name -> version or None
 
     @property
@@ -94,6 +95,7 @@ class Machine:
             cuda_memory_bytes=tuple(cuda_mem),
             cuda_bf16=cuda_bf16,
             mps=mps,
+            torch_threads=torch.get_num_threads(),
             packages=packages,
         )
 

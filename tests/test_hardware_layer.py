@@ -230,3 +230,14 @@ def test_bfloat16_trade_is_decided_by_the_recipe(policy, kept):
     verdict = rec.policy.judge(Layer.HARDWARE, before, after, changes, bands)
     assert verdict.kept is kept, verdict.reason
     assert "ttft_ms" in verdict.reason or "decode_tokens_per_s" in verdict.reason
+
+
+def test_threads_that_change_nothing_are_skipped_by_check():
+    """A threads pass resolving to torch's current count is refused: measuring a no-op lets noise decide."""
+    from fractal_opt.layers.hardware import Threads
+    from fractal_opt.plan import Plan
+    from fractal_opt.testing import cpu_machine
+
+    machine = cpu_machine(torch_threads=2, physical_cores=2)
+    assert "already runs 2 intra-op threads" in Threads(count="auto").check(Plan(source="x"), machine)
+    assert Threads(count=1).check(Plan(source="x"), machine) is None

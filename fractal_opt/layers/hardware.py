@@ -70,6 +70,12 @@ class Threads(Pass):
             return f"thread count only matters for CPU inference; the plan runs on {plan.hardware.device}"
         if isinstance(self.count, int) and self.count > machine.logical_cores:
             return f"count={self.count} exceeds the {machine.logical_cores} logical cores of this machine"
+        current = plan.hardware.threads if isinstance(plan.hardware.threads, int) else machine.torch_threads
+        if plan.hardware.threads == "auto":
+            current = machine.physical_cores
+        if current is not None and self.resolve(machine) == current:
+            # Measuring a no-op only invites noise to decide; say so instead.
+            return f"the plan already runs {current} intra-op threads (count={self.count} resolves to {self.resolve(machine)} here)"
         return None
 
     def apply(self, plan: Plan) -> Plan:
