@@ -22,8 +22,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import EngineError, RequestRejected
 from .app_runtime import AppRuntime, trim_stop
+from .errors import EngineError, RequestRejected
 from .generation import generate_kwargs, uses_streamer
 from .loading import census, load
 from .machine import Machine

@@ -16,18 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .engine import Engine
-from .evals import load_eval_set, score
-from .machine import Machine
-from .measure import Measurement, measure
-from .plan import Plan
-from .passes import Layer
-from .quality import agreement, agreement_between, build_reference, model_probes
 from .comparison import StepMeasurer
+from .engine import Engine
 from .errors import EngineError
-from .loading import resolve_device
-from .machine_limits import probe_limits
+from .evals import load_eval_set, score
 from .layers.scheduling import expand_ramps
+from .loading import resolve_device
+from .machine import Machine
+from .machine_limits import probe_limits
+from .measure import Measurement, measure
+from .passes import Layer
+from .plan import Plan
+from .quality import agreement, agreement_between, build_reference, model_probes
 from .recipe import Recipe, dump_recipe, load_recipe
 from .trace import Step, Trace
 
