@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .serving import Server, Ticket
     from .workload import Request, Workload
 
-__all__ = ["LoadItem", "LoadProfile", "LoadRecord", "LoadResult", "LoadRunner", "build_items", "measure_under_load", "run_load"]
+__all__ = ["LoadItem", "LoadProfile", "LoadRecord", "LoadResult", "LoadRunner", "build_items", "run_load"]
 
 _WARMUP_TOKENS = 8  # budget of the untimed warm-up requests (every prompt shape through the kernels)
 
@@ -419,15 +419,3 @@ def _as_generation(rec: LoadRecord, text: str) -> Any:
 
     return Generation(request_id=rec.id, text=text, token_ids=rec.token_ids, prompt_tokens=rec.prompt_tokens, t_submit=rec.t_submit,
                       t_prefill_start=rec.t_start if rec.t_start is not None else rec.t_submit, token_times=rec.token_times, hit_cap=len(rec.token_ids) >= rec.max_new_tokens)
-
-
-def measure_under_load(engine: Engine, workload: Workload, *, requests: Sequence[Request] | None = None,
-                       progress: Callable[[str], None] | None = None) -> Measurement:
-    """Warm up, then run the workload's load profile ``workload.repeats`` times (one round each)."""
-    runner = LoadRunner(engine, workload, requests if requests is not None else workload.requests())
-    runner.warm_up()
-    for r in range(workload.repeats):
-        if progress:
-            progress(f"load round {r + 1}/{workload.repeats} ({runner.profile.mode}, {runner.clients} clients, {len(runner.items)} requests)")
-        runner.round()
-    return runner.result()

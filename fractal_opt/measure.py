@@ -450,17 +450,6 @@ def _plan_threads(engine: Engine) -> int:
     return max(1, torch.get_num_threads())
 
 
-def noise_bands(before: Measurement, after: Measurement, calibration: dict[str, float], *, min_effect: float) -> dict[str, float]:
-    """The relative change each metric must exceed to count as a change.
-
-    band = max(min_effect, 2 × |A/A change| of the calibration, spread(before) + spread(after)),
-    where spread is the half-range across repeats relative to the median (see
-    :meth:`Measurement.spread`). The A/A term catches drift between measurements; the spread term
-    catches noise within them.
-    """
-    return {m: round(max(min_effect, 2 * abs(calibration.get(m) or 0.0), before.spread(m) + after.spread(m)), 4) for m in METRICS}
-
-
 def _reset_response_cache(engine: Any) -> None:
     """Empty the engine's response cache, if it has one (test fakes may not)."""
     reset = getattr(engine, "reset_response_cache", None)

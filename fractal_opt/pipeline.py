@@ -24,7 +24,7 @@ from .layers.scheduling import expand_ramps
 from .loading import resolve_device
 from .machine import Machine
 from .machine_limits import probe_limits
-from .measure import Measurement, measure
+from .measure import Measurement
 from .passes import Layer
 from .plan import Plan
 from .quality import agreement, agreement_between, build_reference, model_probes
@@ -238,9 +238,6 @@ class Pipeline:
                 raise TypeError(f"custom probe {name!r} must return a dict of named numbers, got {type(values).__name__}")
             out.update({f"{name}.{k}": float(v) for k, v in values.items()})
         return out
-
-    def _measure(self, engine: Engine, requests, label: str) -> Measurement:
-        return measure(engine, self.recipe.workload, requests=requests, progress=lambda msg: self.progress(f"{label}: measuring, {msg}"))
 
     def _record(self, trace: Trace, step: Step, plan: Plan, recipe: Recipe, baseline_metrics, current: Measurement, quality) -> None:
         trace.steps.append(step)

@@ -11,7 +11,8 @@ import pytest
 
 from fractal_opt.engine import Engine
 from fractal_opt.errors import RecipeError
-from fractal_opt.load import LoadProfile, build_items, measure_under_load, run_load
+from fractal_opt.load import LoadProfile, build_items, run_load
+from fractal_opt.measure import measure
 from fractal_opt.plan import Plan, SchedulingPlan
 from fractal_opt.workload import Workload
 
@@ -120,7 +121,7 @@ def test_measure_under_load_reports_throughput_and_percentiles(tiny_dir):
     """A load measurement gives aggregate tokens/s and TTFT / ITL percentiles per round, with TTFT as the caller saw it."""
     wl = Workload(suite="default", max_new_tokens=8, repeats=2, warmup=0,
                   load={"mode": "closed", "concurrency": 4, "requests": 8, "output_tokens": [4, 8], "ignore_eos": True})
-    m = measure_under_load(_engine(tiny_dir, batching="continuous"), wl)
+    m = measure(_engine(tiny_dir, batching="continuous"), wl)  # a load profile routes measure() through the LoadRunner
     assert len(m.repeats) == 2 and all(r["throughput_tokens_per_s"] > 0 for r in m.repeats)
     assert all(r["ttft_ms_p90"] is not None and r["itl_ms_p50"] is not None for r in m.repeats)
     assert m.extra["load"]["clients"] == 4 and len(m.outputs) == 8

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from fractal_opt.engine import Generation
-from fractal_opt.measure import METRICS, Measurement, Sample, TokenClock, compare, noise_bands
+from fractal_opt.measure import Measurement, Sample, TokenClock, compare
 
 
 def _gen(*, rid="r", t_submit=10.0, t_prefill=10.1, times=(10.5, 10.6, 10.7, 10.9), hit_cap=True) -> Generation:
@@ -82,30 +82,6 @@ def test_compare_without_values_is_none():
     """A metric that was not measured (no decode rate anywhere) compares as None, not 0."""
     before = _measurement([_sample("a", decode_tokens_per_s=None)])
     assert compare(before, before, "decode_tokens_per_s") is None
-
-
-def test_noise_band_floor_is_min_effect():
-    """With no spread and no calibration drift, every band equals min_effect."""
-    m = _measurement([_sample("a"), _sample("a")])
-    bands = noise_bands(m, m, {}, min_effect=0.03)
-    assert set(bands) == set(METRICS)
-    assert all(v == pytest.approx(0.03) for v in bands.values())
-
-
-def test_noise_band_widens_with_calibration_drift():
-    """An A/A drift of 5% on a metric widens its band to 10% (twice the drift); other metrics keep the floor."""
-    m = _measurement([_sample("a")])
-    bands = noise_bands(m, m, {"ttft_ms": -0.05}, min_effect=0.03)
-    assert bands["ttft_ms"] == pytest.approx(0.10)
-    assert bands["e2e_ms"] == pytest.approx(0.03)
-
-
-def test_noise_band_widens_with_repeat_spread():
-    """Repeats of 90 and 110 ms (half-range 10% of the median) widen the e2e band to 10% + the other side's spread."""
-    noisy = _measurement([_sample("a", e2e_ms=90.0), _sample("a", e2e_ms=110.0)])
-    quiet = _measurement([_sample("a", e2e_ms=100.0), _sample("a", e2e_ms=100.0)])
-    assert noise_bands(noisy, quiet, {}, min_effect=0.03)["e2e_ms"] == pytest.approx(0.10)
-    assert noise_bands(noisy, noisy, {}, min_effect=0.03)["e2e_ms"] == pytest.approx(0.20)
 
 
 def test_summary_reports_medians_and_cap_share():
