@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import math
 import random
 
@@ -93,11 +94,13 @@ def test_memory_window_sees_a_peak_inside_the_block(method):
     with MemoryWindow("cpu", method=method) as idle:
         time.sleep(0.05)
     with MemoryWindow("cpu", method=method) as busy:
-        block = bytearray(64 * 2**20)
+        # A fresh anonymous mapping: heap memory could reuse pages an earlier test freed but the
+        # allocator kept resident (then RSS would not grow at all), a new mapping always does.
+        block = mmap.mmap(-1, 64 * 2**20)
         for i in range(0, len(block), 4096):  # touch every page so it is resident
             block[i] = 1
         time.sleep(0.15)  # the sampler reads every 50 ms (memory.SAMPLE_S): three readings at least
-        del block
+        block.close()
     assert busy.source == method
     assert busy.peak_mb - idle.peak_mb > 48
 
