@@ -100,10 +100,6 @@ class Reference:
     token_nll: torch.Tensor  # [T-1] baseline negative log-likelihood of the actual next token
     outputs: dict[str, list[int]]  # request id -> baseline greedy output tokens
 
-    @property
-    def nll(self) -> float:
-        return self.token_nll.mean().item()
-
 
 def _reference_ids(engine: Engine, config: QualityConfig) -> torch.Tensor:
     ids = engine.tokenizer(reference_text(), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
