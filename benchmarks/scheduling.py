@@ -4,8 +4,9 @@ Each mode serves the same requests (the default suite cycled, mixed output lengt
 fixed seed, end-of-sequence ignored so every mode generates the same number of tokens) under two
 arrival processes: closed-loop (``--concurrency`` requests always in flight) and open-loop
 Poisson arrivals (``--rate`` per second). It prints aggregate output tokens/s, TTFT / ITL
-percentiles (TTFT as a streaming caller sees it: submission to first token, queueing included)
-and the throughput ratio to one-by-one serving.
+percentiles (TTFT as a streaming caller sees it: submission to first token, queueing included),
+the throughput ratio to one-by-one serving, and how many requests got exactly the tokens
+one-by-one serving gave them (greedy paths must agree).
 
     python benchmarks/scheduling.py                       # about 4-6 minutes on 2 CPU cores
     python benchmarks/scheduling.py --requests 8 --lengths 8 16   # a quick smoke run
@@ -66,15 +67,19 @@ def main() -> int:
             with engine.server(ignore_eos=True) as server:
                 result = run_load(server, items, profile)
             s = result.summary()
+            s["tokens"] = {r.id: r.token_ids for r in result.records if r.status == "done"}
             rows.append((mode, kind, s))
             print(f"  {mode:10s} {kind:7s} {s['throughput_tokens_per_s']:7.1f} tok/s  done {s['done']}/{s['requests']}  "
                   f"TTFT p50/p90 {s['ttft_ms_p50']:.0f}/{s['ttft_ms_p90']:.0f} ms  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     base = {kind: s["throughput_tokens_per_s"] for mode, kind, s in rows if mode == "sequential"}
-    print("| mode | arrivals | done | output tok/s | vs one-by-one | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | e2e p90 ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    base_tokens = {kind: s["tokens"] for mode, kind, s in rows if mode == "sequential"}
+    print("| mode | arrivals | done | output tok/s | vs one-by-one | same tokens as one-by-one | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms | e2e p90 ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mode, kind, s in rows:
         ratio = f"{s['throughput_tokens_per_s'] / base[kind]:.2f}x" if base.get(kind) else "–"
-        print(f"| {mode} | {kind} | {s['done']}/{s['requests']} | {s['throughput_tokens_per_s']:.1f} | {ratio} | "
+        ref = base_tokens.get(kind)
+        same = f"{sum(ref.get(i) == t for i, t in s['tokens'].items())}/{len(s['tokens'])}" if ref is not None else "–"
+        print(f"| {mode} | {kind} | {s['done']}/{s['requests']} | {s['throughput_tokens_per_s']:.1f} | {ratio} | {same} | "
               f"{s['ttft_ms_p50']:.0f} / {s['ttft_ms_p90']:.0f} / {s['ttft_ms_p99']:.0f} | "
               f"{s['itl_ms_p50']:.0f} / {s['itl_ms_p90']:.0f} / {s['itl_ms_p99']:.0f} | {s['e2e_ms_p90']:.0f} |")
     print(f"\n# load average {os.getloadavg()[0]:.2f} at the end")

@@ -212,7 +212,8 @@ class Server:
     Args:
         engine: a built Engine; the server uses its model, tokenizer and plan.
         seed: torch seed set before each generate call (sampling plans).
-        ignore_eos: generate every request's full budget (benchmarks with fixed output lengths).
+        ignore_eos: generate every request's full budget (benchmarks with fixed output lengths):
+            end-of-sequence is generated like any token but ends nothing, in every mode.
     """
 
     def __init__(self, engine: Engine, *, seed: int = 0, ignore_eos: bool = False):

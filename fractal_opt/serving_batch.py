@@ -58,7 +58,10 @@ class BatchServer(Server):
             budget = max(t.max_new_tokens for t in batch)
             kwargs = engine._generate_kwargs(budget)
             if self.ignore_eos:
-                kwargs["min_new_tokens"] = budget  # generate ignores end-of-sequence until this many tokens
+                # End-of-sequence is generated like any other token but ends nothing, as in
+                # continuous batching (eos -1 there), so every mode gives the same tokens.
+                # (min_new_tokens would instead ban it and pick the runner-up: other tokens.)
+                kwargs["eos_token_id"] = None
             eos = set() if self.ignore_eos else _eos_ids(engine.model, engine.tokenizer)
             sync = torch.cuda.synchronize if str(engine.model.device).startswith("cuda") else None
             streamer = _RowStreamer(self, batch, eos, sync)

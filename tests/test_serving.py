@@ -39,6 +39,27 @@ def test_greedy_outputs_are_token_identical_across_paths(lively_dir, requests):
     assert len({tuple(ids) for ids in outputs["sequential"]}) > 1  # the model says different things: the test can fail
 
 
+def test_ignore_eos_generates_end_of_sequence_without_stopping_in_every_mode(lively_dir, requests):
+    """With ignore_eos every mode emits an end-of-sequence token like any other and goes on to
+    the full budget, so fixed-length benchmarks compare the same tokens across modes (banning it,
+    as min_new_tokens does, would swap in the runner-up in some modes only)."""
+    free = _engine(lively_dir).serve([requests[1]], max_new_tokens=10)[0].token_ids
+    assert len(free) == 10
+    model = _engine(lively_dir).model
+    before = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = free[3]  # the model's 4th greedy token now ends a sequence
+    try:
+        for mode, size in MODES:
+            engine = _engine(lively_dir, batching=mode, batch_size=size)
+            with engine.server(ignore_eos=True) as server:
+                got = server.submit(requests[1], max_new_tokens=10).result(timeout=120).token_ids
+            assert got == free, mode
+            with engine.server() as server:  # without ignore_eos it does stop there
+                assert server.submit(requests[1], max_new_tokens=10).result(timeout=120).token_ids == free[:4], mode
+    finally:
+        model.generation_config.eos_token_id = before
+
+
 def test_engine_serve_on_a_continuous_plan_matches_sequential(lively_dir, requests):
     """Engine.serve (the synchronous path measure() uses) works for continuous plans, with a clock per token."""
     seq = _engine(lively_dir).serve(requests[:3], max_new_tokens=6)
