@@ -75,6 +75,43 @@ def test_runtime_restores_thread_count(tiny_dir):
     assert torch.get_num_threads() == before
 
 
+def test_runtime_attends_grouped_heads_natively_on_cpu(tiny_dir, monkeypatch):
+    """On CPU with sdpa, a masked (left-padded) batch reaches SDPA with its grouped K/V heads
+    (enable_gqa, no repeat_kv copy) inside runtime(), gives the same logits as without, and the
+    switch is restored afterwards; eager attention and other devices leave it alone."""
+    import os
+
+    import torch
+
+    from fractal_opt.engine import native_gqa_applies
+
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    plan = Plan(source=str(tiny_dir))
+    assert native_gqa_applies(plan)
+    assert not native_gqa_applies(plan.replace_section("hardware", attention="eager"))
+    assert not native_gqa_applies(plan.replace_section("hardware", device="cuda"))
+    engine = Engine.build(plan, progress=_quiet)
+    batch = engine.tokenizer(["a short one", "a rather longer prompt than that"], return_tensors="pt", padding=True, padding_side="left")
+    seen: list[tuple[int, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, *args, **kwargs):
+        seen.append((key.shape[1], bool(kwargs.get("enable_gqa"))))
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.inference_mode():
+        repeated = engine.model(**batch).logits
+        assert seen and all(heads == 4 and not gqa for heads, gqa in seen)  # repeat_kv: 2 KV heads copied to 4
+        seen.clear()
+        with runtime(plan):
+            assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "1"
+            native = engine.model(**batch).logits
+        assert seen and all(heads == 2 and gqa for heads, gqa in seen)
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+    torch.testing.assert_close(native, repeated)
+
+
 def test_serving_does_not_leak_thread_count(tiny_dir):
     """Serving with a plan that pins threads leaves torch's thread count as it was."""
     import torch
