@@ -138,15 +138,18 @@ class Pipeline:
         self._save(trace, plan, recipe)
 
         # --- the passes, bottom up
+        outcome = ""  # the last judged step's Verdict.outcome
         for index, (p, ramp) in enumerate(schedule, start=1):
             label = f"[{index}/{total}] {p.layer.section}/{p.describe()}"
             step = Step(pass_name=p.name, layer=p.layer.section, params=p.params(), status="", reason="")
-            if ramp is not None and index > 1 and schedule[index - 2][1] == ramp and trace.steps[-1].status != "kept":
-                # Step up only from a level that held: the last kept level is the ramp's answer.
-                step.status, step.reason = "skipped", f"concurrency ramp stopped: the previous level was {trace.steps[-1].status.replace('_', ' ')}"
+            if ramp is not None and index > 1 and schedule[index - 2][1] == ramp and (stop := _ramp_stop(trace.steps[-1], outcome)):
+                # Step up while levels hold (kept, or no change beyond noise: nothing tripped);
+                # the last kept level is the ramp's answer.
+                step.status, step.reason = "skipped", f"concurrency ramp stopped: {stop}"
                 say(f"{label}: skipped ({step.reason})")
                 self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
                 continue
+            outcome = ""
             reason = p.check(plan, machine)
             if reason is not None:
                 step.status, step.reason = "skipped", f"check: {reason}"
@@ -202,7 +205,7 @@ class Pipeline:
             step.changes, step.bands = verdict.changes, verdict.bands
             step.plan = candidate.to_dict()
             step.status = "kept" if verdict.kept else "rolled_back"
-            step.reason = verdict.reason
+            step.reason, outcome = verdict.reason, verdict.outcome
             if "compile_s" in step.timings:  # a start-up cost the numbers exclude: shown where the verdict is read
                 step.reason += f" Start-up: compiling took {step.timings['compile_s']:.1f} s (excluded from the numbers above)."
             say(f"{label}: {step.status.replace('_', ' ')} ({verdict.reason[:150]})")
@@ -275,6 +278,21 @@ def _metrics(m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:
     out.update({k: v for k, v in m.extra.items() if k in ("gpu", "cuda_max_reserved_mb", "capacity_mb", "load")})  # GPU telemetry: "unavailable" on CPU; load: the profile and per-round request counts
     out["quality"] = dict(quality)
     return out
+
+
+def _ramp_stop(previous: Step, outcome: str) -> str | None:
+    """Why a concurrency ramp stops after ``previous`` (its last level), or None to step up.
+
+    A level that held goes on: kept, or rolled back with no change beyond noise (no guard
+    tripped, nothing got worse: more in flight may still pay at the next level, e.g. when the
+    plan already allowed more requests than the first level). A tripped guard, a worse objective,
+    a failure or a skip ends the ramp.
+    """
+    if previous.status == "kept" or (previous.status == "rolled_back" and outcome == "no_change"):
+        return None
+    why = {"guard": "a guard tripped", "worse": "throughput got worse", "unmeasured": "its objective could not be measured"}.get(outcome, "")
+    what = {"rolled_back": "was rolled back", "failed": "failed", "skipped": "was skipped"}.get(previous.status, previous.status)
+    return f"the previous level {what}" + (f" ({why})" if why and previous.status == "rolled_back" else "")
 
 
 def _plan_text(plan: Plan) -> str:

@@ -85,6 +85,8 @@ class Verdict:
     reason: str
     changes: dict[str, float] = field(default_factory=dict)  # metric -> relative change vs previous
     bands: dict[str, float] = field(default_factory=dict)  # metric -> noise band used
+    # kept | no_change (objective within noise, no guard tripped) | worse | guard | unmeasured
+    outcome: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,15 +181,15 @@ class Policy:
         band = bands.get(objective, self.min_effect)
         clean = {k: round(v, 4) for k, v in changes.items() if v is not None}
         if change is None:
-            return Verdict(kept=False, reason=f"objective {objective} could not be measured", changes=clean, bands=bands)
+            return Verdict(kept=False, reason=f"objective {objective} could not be measured", changes=clean, bands=bands, outcome="unmeasured")
         better = change if METRICS[objective] else -change
         obj_text = f"{objective} {_move(objective, before, after, change)}, noise band ±{band:.1%}"
         if trips:
-            return Verdict(kept=False, reason=f"{obj_text}; " + "; ".join(trips), changes=clean, bands=bands)
+            return Verdict(kept=False, reason=f"{obj_text}; " + "; ".join(trips), changes=clean, bands=bands, outcome="guard")
         if better <= band:
             verb = "no change beyond noise" if better >= -band else "worse"
-            return Verdict(kept=False, reason=f"{verb}: {obj_text}", changes=clean, bands=bands)
-        return Verdict(kept=True, reason=f"{obj_text}; no guard tripped", changes=clean, bands=bands)
+            return Verdict(kept=False, reason=f"{verb}: {obj_text}", changes=clean, bands=bands, outcome="no_change" if better >= -band else "worse")
+        return Verdict(kept=True, reason=f"{obj_text}; no guard tripped", changes=clean, bands=bands, outcome="kept")
 
 
 def _fmt(v: float | None) -> str:
