@@ -143,8 +143,7 @@ class Pipeline:
             label = f"[{index}/{total}] {p.layer.section}/{p.describe()}"
             step = Step(pass_name=p.name, layer=p.layer.section, params=p.params(), status="", reason="")
             if ramp is not None and index > 1 and schedule[index - 2][1] == ramp and (stop := _ramp_stop(trace.steps[-1], outcome)):
-                # Step up while levels hold (kept, or no change beyond noise: nothing tripped);
-                # the last kept level is the ramp's answer.
+                # Step up only from a level that held; the last kept level is the ramp's answer.
                 step.status, step.reason = "skipped", f"concurrency ramp stopped: {stop}"
                 say(f"{label}: skipped ({step.reason})")
                 self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
@@ -204,13 +203,18 @@ class Pipeline:
             verdict = recipe.policy.judge(p.layer, before_values, after_values, changes, bands, baseline=baseline_values)
             step.changes, step.bands = verdict.changes, verdict.bands
             step.plan = candidate.to_dict()
-            step.status = "kept" if verdict.kept else "rolled_back"
-            step.reason, outcome = verdict.reason, verdict.outcome
+            kept, step.reason, outcome = verdict.kept, verdict.reason, verdict.outcome
+            if ramp is not None and outcome == "no_change":
+                # A ramp searches for the highest level that holds (the issue's "last level where
+                # no guard trips"): a level that trips nothing and costs no throughput is kept, so
+                # the plan's limit is the level measured, not a larger default.
+                kept, step.reason = True, f"holds, {step.reason}; no guard tripped (a concurrency ramp keeps the highest level that holds)"
+            step.status = "kept" if kept else "rolled_back"
             if "compile_s" in step.timings:  # a start-up cost the numbers exclude: shown where the verdict is read
                 step.reason += f" Start-up: compiling took {step.timings['compile_s']:.1f} s (excluded from the numbers above)."
             say(f"{label}: {step.status.replace('_', ' ')} ({verdict.reason[:150]})")
-            steps.after_verdict(verdict.kept, engine, plan if not verdict.kept else candidate, mode)
-            if verdict.kept:
+            steps.after_verdict(kept, engine, plan if not kept else candidate, mode)
+            if kept:
                 plan, current, current_quality = candidate, after, quality
                 self._weight_mb = step.metrics["weight_mb"]
             self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
@@ -283,12 +287,10 @@ def _metrics(m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:
 def _ramp_stop(previous: Step, outcome: str) -> str | None:
     """Why a concurrency ramp stops after ``previous`` (its last level), or None to step up.
 
-    A level that held goes on: kept, or rolled back with no change beyond noise (no guard
-    tripped, nothing got worse: more in flight may still pay at the next level, e.g. when the
-    plan already allowed more requests than the first level). A tripped guard, a worse objective,
-    a failure or a skip ends the ramp.
+    A level holds when it is kept: throughput rose, or stayed within noise, and no guard tripped.
+    A tripped guard, a worse objective, a failure or a skip ends the ramp.
     """
-    if previous.status == "kept" or (previous.status == "rolled_back" and outcome == "no_change"):
+    if previous.status == "kept":
         return None
     why = {"guard": "a guard tripped", "worse": "throughput got worse", "unmeasured": "its objective could not be measured"}.get(outcome, "")
     what = {"rolled_back": "was rolled back", "failed": "failed", "skipped": "was skipped"}.get(previous.status, previous.status)

@@ -109,11 +109,12 @@ class Concurrency(Pass):
     """Limit the requests in flight; ``mode: ramp`` steps up through ``levels`` while no guard trips.
 
     A ramp is run by the pipeline as one step per level, smallest first (start small and step
-    up, never jump to hundreds and fall over). A level is kept when it raises throughput beyond
-    noise with no guard tripped; one that changes nothing beyond noise is rolled back but the ramp
-    still steps up; the ramp stops at the first level where a guard trips (a TTFT / ITL SLO of
-    the recipe, memory headroom, failed requests), throughput gets worse, or the step fails. The
-    last kept level is the answer. Under a closed-loop load the offered concurrency follows the
+    up, never jump to hundreds and fall over). A level holds, and is kept, when no guard trips and
+    throughput does not get worse beyond noise (a ramp looks for the highest level that holds, so
+    "no change" holds too); the ramp stops at the first level where a guard trips (a TTFT / ITL
+    SLO of the recipe, memory headroom, failed requests), throughput gets worse, or the step
+    fails. The last kept level is the answer: set latency SLOs, or it climbs while throughput
+    merely holds. Under a closed-loop load the offered concurrency follows the
     level, so each level is measured with that many clients.
     """
 
