@@ -73,6 +73,10 @@ def test_a_ramp_expands_to_rising_levels_and_starts_small():
     assert [p.limit for p, _ in expanded[1:4]] == [8, 16, 32]
     assert len({r for _, r in expanded[1:4]}) == 1 and expanded[0][1] is None
     assert ramp.apply(PLAN).scheduling.max_concurrency == 8
+    # Reports and written recipes show what each mode reads; the params rebuild the same pass.
+    assert expanded[2][0].describe() == "concurrency(mode=fixed, limit=16)"
+    assert ramp.describe() == "concurrency(mode=ramp, levels=[8, 16, 32])"
+    assert Concurrency.from_params(expanded[2][0].params()) == expanded[2][0]
     with pytest.raises(RecipeError, match="rising"):
         Concurrency(mode="ramp", levels=(16, 8))
 

@@ -131,6 +131,12 @@ class Concurrency(Pass):
         if not self.levels or any(b <= a for a, b in zip(self.levels, self.levels[1:])) or self.levels[0] < 1:
             raise RecipeError(f"pass 'concurrency', parameter 'levels': got {list(self.levels)}, expected rising integers >= 1 like [8, 16, 32].")
 
+    def params(self) -> dict:
+        """Only the fields the mode reads: a ramp's levels, or a fixed limit (reports, written recipes)."""
+        if self.mode == "ramp":
+            return {"mode": "ramp", "levels": list(self.levels)}
+        return {"mode": "fixed", "limit": self.limit}
+
     def check(self, plan: Plan, machine: Machine) -> str | None:
         if plan.scheduling.batching == "sequential":
             return "sequential serving runs one request at a time; apply batching (static or continuous) first"
