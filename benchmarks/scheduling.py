@@ -32,9 +32,16 @@ def main() -> int:
     parser.add_argument("--profiles", nargs="+", default=["closed", "poisson"])
     parser.add_argument("--prompts", choices=["all", "short"], default="all",
                         help="all: the default suite (3 short chat prompts and 3 of ~500 tokens); short: only the short ones (decode-bound)")
+    parser.add_argument("--gqa", choices=["native", "repeat"], default="native",
+                        help="native: fractal_opt's runtime (SDPA takes grouped K/V heads under a mask, CPU); repeat: transformers' default copy (repeat_kv), for comparison")
     args = parser.parse_args()
 
     import torch
+
+    import fractal_opt.engine
+
+    if args.gqa == "repeat":
+        fractal_opt.engine.native_gqa_applies = lambda plan: False  # what plain transformers does
 
     from fractal_opt.engine import Engine
     from fractal_opt.load import LoadProfile, build_items, run_load
@@ -48,6 +55,7 @@ def main() -> int:
         requests = [r for r in requests if r.id.startswith("short")]
     print(f"# scheduling benchmark: {args.model}, fp32, sdpa, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.2f} at start")
+    print(f"# grouped-query attention under a mask: {args.gqa}")
     print(f"# {args.requests} requests per run (default suite, {args.prompts} prompts, cycled), output lengths {args.lengths} (seeded, EOS ignored), "
           f"closed loop {args.concurrency} clients, Poisson {args.rate}/s\n")
     rows = []
