@@ -212,7 +212,7 @@ class Pipeline:
             step.status = "kept" if kept else "rolled_back"
             if "compile_s" in step.timings:  # a start-up cost the numbers exclude: shown where the verdict is read
                 step.reason += f" Start-up: compiling took {step.timings['compile_s']:.1f} s (excluded from the numbers above)."
-            say(f"{label}: {step.status.replace('_', ' ')} ({verdict.reason[:150]})")
+            say(f"{label}: {step.status.replace('_', ' ')} ({step.reason[:150]})")
             steps.after_verdict(kept, engine, plan if not kept else candidate, mode)
             if kept:
                 plan, current, current_quality = candidate, after, quality

@@ -114,8 +114,8 @@ class Concurrency(Pass):
     "no change" holds too); the ramp stops at the first level where a guard trips (a TTFT / ITL
     SLO of the recipe, memory headroom, failed requests), throughput gets worse, or the step
     fails. The last kept level is the answer: set latency SLOs, or it climbs while throughput
-    merely holds. Under a closed-loop load the offered concurrency follows the
-    level, so each level is measured with that many clients.
+    merely holds. Under a closed-loop load the offered concurrency follows the level, so each
+    level is measured with that many clients.
     """
 
     name = "concurrency"
