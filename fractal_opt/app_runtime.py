@@ -72,14 +72,16 @@ class AppRuntime:
             app.pop(name)  # caching and speculation never change which answer is right
         return (self.plan.numerics_key(), budget, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in app.items())))
 
-    def lookup(self, request: Request, budget: int) -> CacheHit | None:
+    def lookup(self, request: Request, budget: int, *, ignore_eos: bool = False) -> CacheHit | None:
+        """The cached answer for ``request`` (None without a cache). ``ignore_eos`` answers are
+        kept apart: they run past end-of-sequence, so they are other answers."""
         if self.cache is None:
             return None
-        return self.cache.lookup(request.as_messages(), self.params_key(budget))
+        return self.cache.lookup(request.as_messages(), (*self.params_key(budget), ignore_eos))
 
-    def store(self, request: Request, budget: int, value: dict[str, Any]) -> None:
+    def store(self, request: Request, budget: int, value: dict[str, Any], *, ignore_eos: bool = False) -> None:
         if self.cache is not None:
-            self.cache.store(request.as_messages(), self.params_key(budget), value)
+            self.cache.store(request.as_messages(), (*self.params_key(budget), ignore_eos), value)
 
     def generate_extras(self) -> dict[str, Any]:
         """generate() arguments that hold objects rather than plan values (the draft model)."""

@@ -274,7 +274,7 @@ class Engine:
         if self.plan.scheduling.batching == "continuous":
             from .serving import serve_all
 
-            return self._answer(list(requests), max_new_tokens, lambda todo, t0: serve_all(self, todo, max_new_tokens=max_new_tokens, seed=seed))
+            return serve_all(self, requests, max_new_tokens=max_new_tokens, seed=seed)  # the server consults the response cache
         size = self.plan.scheduling.batch_size if self.plan.scheduling.batching == "static" else 1
         out: list[Generation] = []
         for i in range(0, len(requests), size):

@@ -140,6 +140,8 @@ class LoadRecord:
     token_times: list[float] = field(default_factory=list)  # when the model made each token
     delivered_times: list[float] = field(default_factory=list)  # when the caller could read it
     error: str | None = None
+    cache_hit: str | None = None  # "exact" / "semantic" when the plan's response cache answered
+    prompt_tokens_saved: int = 0  # prompt tokens the plan's prompt budget removed
 
     @property
     def ttft_ms(self) -> float | None:
@@ -179,6 +181,7 @@ class LoadRecord:
             t_submit=ticket.t_submit, t_start=ticket.t_start, t_end=ticket.t_end if ticket.t_end is not None else time.perf_counter(),
             token_ids=list(ticket.token_ids), token_times=list(ticket.token_times), delivered_times=list(ticket.delivered_times),
             error=None if ticket.error is None else f"{type(ticket.error).__name__}: {ticket.error}",
+            cache_hit=ticket.cache_hit, prompt_tokens_saved=ticket.prompt_tokens_saved,
         )
 
 
@@ -367,6 +370,7 @@ class LoadRunner:
         from .memory import MemoryWindow
 
         r = len(self.repeats)
+        self.engine.reset_response_cache()  # every round starts cold, as measure() does for each pass over the suite
         cpu0 = os.times()
         with MemoryWindow(self.device) as mem, self.engine.server(seed=self.workload.seed, ignore_eos=self.profile.ignore_eos) as server:
             result = run_load(server, self.items, self.profile, concurrency=self.clients)
@@ -418,4 +422,5 @@ def _as_generation(rec: LoadRecord, text: str) -> Any:
     from .engine import Generation
 
     return Generation(request_id=rec.id, text=text, token_ids=rec.token_ids, prompt_tokens=rec.prompt_tokens, t_submit=rec.t_submit,
-                      t_prefill_start=rec.t_start if rec.t_start is not None else rec.t_submit, token_times=rec.token_times, hit_cap=len(rec.token_ids) >= rec.max_new_tokens)
+                      t_prefill_start=rec.t_start if rec.t_start is not None else rec.t_submit, token_times=rec.token_times, hit_cap=len(rec.token_ids) >= rec.max_new_tokens,
+                      cache_hit=rec.cache_hit, prompt_tokens_saved=rec.prompt_tokens_saved)

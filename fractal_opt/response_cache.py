@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+import threading
 import time
 import unicodedata
 from collections import OrderedDict
@@ -96,6 +97,8 @@ class ResponseCache:
     _entries: OrderedDict[Hashable, _Entry] = field(default_factory=OrderedDict, init=False, repr=False)
     _last_query: tuple[str, list[float]] | None = field(default=None, init=False, repr=False)
     _counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("exact_hits", "semantic_hits", "misses", "expired", "evicted"), 0), init=False)
+    # Servers look up from their callers' threads and store from their worker thread.
+    _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in ("exact", "semantic"):
@@ -112,6 +115,10 @@ class ResponseCache:
     # ------------------------------------------------------------------ API
     def lookup(self, messages: Sequence[dict[str, str]], params: Hashable) -> CacheHit | None:
         """The cached answer for ``messages`` under ``params``, or None (a miss is counted)."""
+        with self._lock:
+            return self._lookup(messages, params)
+
+    def _lookup(self, messages: Sequence[dict[str, str]], params: Hashable) -> CacheHit | None:
         context, last = self._split(messages, params)
         key = (context, last)
         self._expire()
@@ -137,23 +144,26 @@ class ResponseCache:
     def store(self, messages: Sequence[dict[str, str]], params: Hashable, value: Any) -> None:
         """Remember ``value`` as the answer to ``messages`` under ``params``."""
         context, last = self._split(messages, params)
-        embedding = self._embedding(last) if self.mode == "semantic" and self.embed is not None else None
-        key = (context, last)
-        self._entries[key] = _Entry(value=value, stored_at=self.clock(), context=context, embedding=embedding)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-            self._counts["evicted"] += 1
+        with self._lock:
+            embedding = self._embedding(last) if self.mode == "semantic" and self.embed is not None else None
+            key = (context, last)
+            self._entries[key] = _Entry(value=value, stored_at=self.clock(), context=context, embedding=embedding)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+                self._counts["evicted"] += 1
 
     def clear(self) -> None:
         """Forget every entry and reset the counters."""
-        self._entries.clear()
-        for k in self._counts:
-            self._counts[k] = 0
+        with self._lock:
+            self._entries.clear()
+            for k in self._counts:
+                self._counts[k] = 0
 
     def stats(self) -> dict[str, int]:
         """Counters since the last :meth:`clear`: exact_hits, semantic_hits, misses, expired, evicted, size."""
-        return {**self._counts, "size": len(self._entries)}
+        with self._lock:
+            return {**self._counts, "size": len(self._entries)}
 
     def _embedding(self, text: str) -> list[float]:
         if self._last_query is None or self._last_query[0] != text:

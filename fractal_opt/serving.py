@@ -85,6 +85,8 @@ class Ticket:
         self.token_times: list[float] = []
         self.delivered_times: list[float] = []
         self.hit_cap = False
+        self.cache_hit: str | None = None  # "exact" / "semantic" when the response cache answered
+        self.prompt_tokens_saved = 0  # prompt tokens the plan's prompt budget removed
         self.error: BaseException | None = None
         self._visible = 0  # tokens the caller may read (all of them with streaming on)
         self._cond = threading.Condition()
@@ -160,6 +162,8 @@ class Ticket:
             t_prefill_start=self.t_start if self.t_start is not None else self.t_submit,
             token_times=list(self.token_times),
             hit_cap=self.hit_cap,
+            cache_hit=self.cache_hit,
+            prompt_tokens_saved=self.prompt_tokens_saved,
         )
 
     # ------------------------------------------------------------------ server side
@@ -174,6 +178,15 @@ class Ticket:
                 return False
             self.status, self.t_start, self.prompt_tokens = "running", time.perf_counter(), prompt_tokens
             return True
+
+    def _from_cache(self, value: dict[str, Any], kind: str) -> None:
+        """End the request at once with a cached answer: every token available now."""
+        with self._cond:
+            now = time.perf_counter()
+            ids = list(value["token_ids"])[: self.max_new_tokens]
+            self.status, self.t_start, self.prompt_tokens, self.cache_hit = "running", now, value["prompt_tokens"], kind
+            self.token_ids, self.token_times, self.delivered_times = ids, [now] * len(ids), [now] * len(ids)
+        self._finish("done")
 
     def _add(self, tokens: Sequence[int], times: Sequence[float]) -> None:
         """Record new tokens (and their clock readings); streaming makes them visible at once."""
@@ -255,6 +268,10 @@ class Server:
                 self._start()
         if self._closed.is_set():
             self._reject(ticket, f"request {request.id!r} rejected: the server is closed")
+        hit = self.engine.app.lookup(request, ticket.max_new_tokens, ignore_eos=self.ignore_eos)
+        if hit is not None:  # the plan's response cache answers: no queue, no model
+            ticket._from_cache(hit.value, hit.kind)
+            return ticket
         with self._live_lock:
             self._live[ticket.key] = ticket
         try:
@@ -317,8 +334,17 @@ class Server:
             self._live.pop(ticket.key, None)
 
     def _end(self, ticket: Ticket, status: str, error: BaseException | None = None) -> None:
-        ticket._finish(status, error)
+        if ticket._finish(status, error) and status == "done":
+            value = {"text": ticket.text(), "token_ids": list(ticket.token_ids), "prompt_tokens": ticket.prompt_tokens, "hit_cap": ticket.hit_cap}
+            self.engine.app.store(ticket.request, ticket.max_new_tokens, value, ignore_eos=self.ignore_eos)  # no-op without a cache
         self._forget(ticket)
+
+    def _encoded(self, tickets: Sequence[Ticket]) -> dict[str, Any]:
+        """The tickets' prompts encoded (the plan's prompt budget applied), noting the tokens it saved."""
+        inputs = self.engine._encode([t.request for t in tickets])
+        for t in tickets:
+            t.prompt_tokens_saved = self.engine.app.saved.get(t.request.id, 0)
+        return inputs
 
     def _reject(self, ticket: Ticket, msg: str) -> None:
         error = RequestRejected(msg)
@@ -361,8 +387,9 @@ def make_server(engine: Engine, *, seed: int = 0, ignore_eos: bool = False) -> S
     """The server the engine's plan asks for (``plan.scheduling.batching``).
 
     A continuous-batching server holds the engine's model until it is closed (other calls on the
-    same engine wait); sequential and static servers take it per batch. The server answers from the
-    model: the engine's response cache is not consulted.
+    same engine wait); sequential and static servers take it per batch. With a response cache in
+    the plan, ``submit`` answers a cached request at once (the ticket ends ``done`` with
+    ``cache_hit`` set, never queued) and every request that ends ``done`` is stored.
 
     Raises:
         RecipeError: an unknown batching mode, with the valid ones and the closest match.

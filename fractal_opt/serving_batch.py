@@ -51,7 +51,7 @@ class BatchServer(Server):
         if not batch:
             return
         try:
-            inputs = engine._encode([t.request for t in batch])
+            inputs = self._encoded(batch)
             mask = inputs["attention_mask"]
             for row, t in enumerate(batch):
                 t._start(int(mask[row].sum()))

@@ -130,7 +130,7 @@ class ContinuousServer(Server):
     def _admit(self, manager: Any, ticket: Ticket, eos: Any) -> None:
         if ticket.finished:
             return
-        ids = self.engine._encode([ticket.request])["input_ids"][0].tolist()
+        ids = self._encoded([ticket])["input_ids"][0].tolist()
         if self.plan.model.context_cap is not None:
             try:
                 self.engine.check_context(len(ids), ticket.max_new_tokens)

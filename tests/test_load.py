@@ -105,6 +105,19 @@ def test_under_load_every_request_ends_exactly_once_and_memory_returns(tiny_dir,
     assert grown < 64, f"RSS grew {grown:.0f} MB over a {n}-request load: a cache or ticket is not freed"
 
 
+def test_load_rounds_answer_repeats_from_the_response_cache_and_start_cold(tiny_dir):
+    """Under load the plan's response cache answers repeated requests (counted in cache_hit_rate),
+    and each measured round starts with an empty cache, as synchronous measurement does."""
+    plan = Plan(source=str(tiny_dir), scheduling=SchedulingPlan(batching="continuous")).replace_section("application", response_cache="exact")
+    engine = Engine.build(plan, progress=lambda m: None)
+    two = Workload(suite="default").requests()[:2]
+    wl = Workload(suite="default", max_new_tokens=4, repeats=2, warmup=0, load={"mode": "closed", "concurrency": 1, "requests": 6})
+    m = measure(engine, wl, requests=two)  # one client: 2 misses, then 4 requests seen before
+    assert [r["load"]["done"] for r in m.repeats] == [6, 6]
+    assert m.summary()["cache_hit_rate"] == pytest.approx(4 / 6, abs=1e-3)
+    assert engine.cache_stats()["misses"] == 2 and engine.cache_stats()["exact_hits"] == 4  # the second round started cold
+
+
 def test_poisson_arrivals_spread_submissions_over_time(tiny_dir):
     """Open-loop Poisson arrivals submit over about n / rate seconds, not all at once."""
     engine = _engine(tiny_dir, batching="continuous")

@@ -60,6 +60,36 @@ def test_ignore_eos_generates_end_of_sequence_without_stopping_in_every_mode(liv
         model.generation_config.eos_token_id = before
 
 
+@pytest.mark.parametrize("mode,size", MODES)
+def test_a_server_answers_a_repeated_request_from_the_plans_response_cache(tiny_dir, requests, mode, size):
+    """With a response cache in the plan, a request seen before ends at submit with the same tokens
+    (never queued, cache_hit set); another budget or ignore_eos is another answer."""
+    plan = Plan(source=str(tiny_dir), scheduling=SchedulingPlan(batching=mode, batch_size=size)).replace_section("application", response_cache="exact")
+    engine = Engine.build(plan, progress=lambda m: None)
+    with engine.server() as server:
+        first = server.submit(requests[0], max_new_tokens=6)
+        first.result(timeout=120)
+        again = server.submit(requests[0], max_new_tokens=6)
+        assert again.status == "done" and again.cache_hit == "exact" and first.cache_hit is None
+        assert again.token_ids == first.token_ids and again.result().text == first.result().text
+        assert again.result().cache_hit == "exact"  # reaches the Generation, so reports count it
+        assert server.submit(requests[0], max_new_tokens=7).result(timeout=120).cache_hit is None
+    with engine.server(ignore_eos=True) as server:
+        assert server.submit(requests[0], max_new_tokens=6).result(timeout=120).cache_hit is None
+    assert engine.cache_stats()["exact_hits"] == 1 and engine.cache_stats()["misses"] == 3
+
+
+@pytest.mark.parametrize("mode,size", MODES)
+def test_a_server_trims_prompts_to_the_plans_budget_and_reports_the_tokens_saved(tiny_dir, requests, mode, size):
+    """The prompt budget applies under every scheduler, and the ticket says how many tokens it removed."""
+    plan = Plan(source=str(tiny_dir), scheduling=SchedulingPlan(batching=mode, batch_size=size)).replace_section("application", prompt_budget=64, prompt_strategy="head_tail")
+    long = max(requests, key=lambda r: sum(len(c) for _, c in r.messages))
+    with Engine.build(plan, progress=lambda m: None).server() as server:
+        ticket = server.submit(long, max_new_tokens=2)
+        gen = ticket.result(timeout=120)
+    assert gen.prompt_tokens <= 64 and ticket.prompt_tokens_saved > 0 and gen.prompt_tokens_saved == ticket.prompt_tokens_saved
+
+
 def test_engine_serve_on_a_continuous_plan_matches_sequential(lively_dir, requests):
     """Engine.serve (the synchronous path measure() uses) works for continuous plans, with a clock per token."""
     seq = _engine(lively_dir).serve(requests[:3], max_new_tokens=6)
