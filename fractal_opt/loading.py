@@ -99,7 +99,30 @@ def load(plan: Plan, *, progress: Callable[[str], None] = print) -> tuple[Any, A
         _quantize_post_load(model, plan, skip)
     if record is not None:
         model._fractal_quant = record  # read by census()
+    if hw.prepack:
+        _prepack(model, hw.prepack)
     return model, tokenizer
+
+
+def _prepack(model: Any, names: tuple[str, ...]) -> None:
+    """Swap each named float32 CPU ``nn.Linear`` for oneDNN's prepacked ``MkldnnLinear``."""
+    import torch
+    from torch.utils import mkldnn
+
+    from .errors import closest
+
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+            raise EngineError(f"prepack: the model has no module {name!r}.{closest(name, linear)}") from None
+        weight = getattr(module, "weight", None)
+        if type(module) is not torch.nn.Linear or type(weight) is not torch.nn.Parameter or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            what = f"{type(module).__name__} with {type(weight).__name__} weights" + (f" ({weight.dtype} on {weight.device})" if weight is not None else "")
+            raise EngineError(f"prepack: {name!r} is a {what}; oneDNN prepacking takes a float32 torch.nn.Linear on the CPU (quantized modules cannot be prepacked)")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, mkldnn.MkldnnLinear(module, torch.float32))
 
 
 # --------------------------------------------------------------------------- backends
@@ -222,6 +245,11 @@ def census(model: Any, plan: Plan | None = None) -> dict[str, Any]:
         if kind == "Int8Params":
             key = "int8(bitsandbytes)"
         by_type[key] = by_type.get(key, 0) + _tensor_bytes(data)
+    from torch.utils.mkldnn import MkldnnLinear
+
+    for m in model.modules():  # prepacked weights are buffers of their own (a copy where the weight was tied)
+        if isinstance(m, MkldnnLinear):
+            by_type["mkldnn(float32)"] = by_type.get("mkldnn(float32)", 0) + _tensor_bytes(m.weight)
     # quanto swaps nn.Linear for QLinear (a subclass), so isinstance still finds it.
     linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     quantized = sum(1 for m in linear if _is_quantized(m))

@@ -41,6 +41,7 @@ class HardwarePlan:
     attention: str = "sdpa"  # transformers' default kernel for Llama-family models
     matmul_precision: str = "highest"  # torch.set_float32_matmul_precision: highest | high | medium (TF32 on CUDA)
     compile: str | None = None  # torch.compile mode of the decode step: default | reduce-overhead | max-autotune
+    prepack: tuple[str, ...] = ()  # Linear modules whose weights are repacked for oneDNN (CPU, float32): "lm_head"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +142,7 @@ class Plan:
         """The fields that decide the loaded weights; plans sharing it share one loaded model."""
         hw, m = self.hardware, self.model
         return (
-            self.source, hw.device, hw.device_map, hw.max_memory, hw.offload_folder, hw.dtype, hw.attention,
+            self.source, hw.device, hw.device_map, hw.max_memory, hw.offload_folder, hw.dtype, hw.attention, hw.prepack,
             m.weight_bits, m.quant_backend, m.quant_method, m.quant_group_size, m.quant_skip, m.quant_sensitivity_max_kl,
         )
 

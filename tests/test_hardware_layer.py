@@ -9,7 +9,7 @@ import pytest
 from fractal_opt.engine import Engine, runtime
 from fractal_opt.errors import RecipeError
 from fractal_opt.generation import generate_kwargs
-from fractal_opt.layers.hardware import Compile, Device, MatmulPrecision, target_device
+from fractal_opt.layers.hardware import Compile, Device, MatmulPrecision, Prepack, target_device
 from fractal_opt.layers.model import ContextCap, KVCache
 from fractal_opt.plan import HardwarePlan, ModelPlan, Plan
 from fractal_opt.testing import cpu_machine
@@ -202,7 +202,7 @@ def test_compiled_decode_matches_eager_and_records_compile_time(lively_dir, smal
 def test_hardware_plan_defaults_are_plain_transformers():
     """A default plan runs where plain transformers would: one device, no map, highest precision, no compile."""
     hw = HardwarePlan()
-    assert (hw.device_map, hw.max_memory, hw.offload_folder, hw.matmul_precision, hw.compile) == (None, (), None, "highest", None)
+    assert (hw.device_map, hw.max_memory, hw.offload_folder, hw.matmul_precision, hw.compile, hw.prepack) == (None, (), None, "highest", None, ())
 
 
 # --------------------------------------------------------------------------- the dtype trade
@@ -241,3 +241,63 @@ def test_threads_that_change_nothing_are_skipped_by_check():
     machine = cpu_machine(torch_threads=2, physical_cores=2)
     assert "already runs 2 intra-op threads" in Threads(count="auto").check(Plan(source="x"), machine)
     assert Threads(count=1).check(Plan(source="x"), machine) is None
+
+
+# --------------------------------------------------------------------------- prepack
+
+
+@pytest.mark.parametrize(
+    "plan,needle",
+    [
+        (PLAN.replace_section("hardware", device="cuda"), "CPU inference"),
+        (PLAN.replace_section("hardware", dtype="bfloat16"), "float32"),
+        (PLAN.replace_section("hardware", compile="default"), "compiles the decode step"),
+        (PLAN.replace_section("model", weight_bits=8, quant_backend="torchao", quant_method="weight_only"), "quantizes ['lm_head']"),
+        (PLAN.replace_section("hardware", prepack=("lm_head",)), "already prepacks"),
+    ],
+)
+def test_prepack_refused_where_it_cannot_apply(machine, plan, needle):
+    """prepack: CPU float32 only, not under compile, not on a module the plan quantizes, not twice."""
+    reason = Prepack().check(plan, machine)
+    assert reason is not None and needle in reason
+
+
+def test_prepack_plans_the_modules_and_compile_refuses_a_prepacked_plan(machine):
+    """apply adds the modules to the hardware section (a new weights key); compile then refuses."""
+    plan = Prepack().apply(PLAN)
+    assert Prepack().check(PLAN, machine) is None and plan.hardware.prepack == ("lm_head",)
+    assert plan.weights_key() != PLAN.weights_key()
+    assert "prepacks ['lm_head']" in Compile().check(plan, machine)
+    with pytest.raises(RecipeError, match="module names"):
+        Prepack(modules=())
+
+
+def test_prepacked_head_builds_and_keeps_greedy_tokens(lively_dir):
+    """The built model's lm_head is oneDNN's MkldnnLinear, the census counts the packed copy, and greedy tokens do not change."""
+    from torch.utils.mkldnn import MkldnnLinear
+
+    from fractal_opt.workload import Workload
+
+    base = Plan(source=str(lively_dir))
+    plain, packed = Engine.build(base, progress=_quiet), Engine.build(Prepack().apply(base), progress=_quiet)
+    assert isinstance(packed.model.lm_head, MkldnnLinear) and not isinstance(plain.model.lm_head, MkldnnLinear)
+    assert packed.census()["bytes_by_type"]["mkldnn(float32)"] == plain.model.lm_head.weight.numel() * 4
+    requests = Workload().requests()[:3]
+    assert [g.token_ids for g in packed.serve(requests, max_new_tokens=8)] == [g.token_ids for g in plain.serve(requests, max_new_tokens=8)]
+
+
+@pytest.mark.parametrize(
+    "model,needle",
+    [
+        ({}, "no module 'lm_haed'"),
+        ({"weight_bits": 8, "quant_backend": "torchao", "quant_method": "weight_only"}, "quantized modules cannot be prepacked"),
+    ],
+)
+def test_prepack_build_fails_clearly_on_a_module_it_cannot_pack(tiny_dir, model, needle):
+    """A missing module (with the closest name) or one quantized by then fails the build, saying which."""
+    from fractal_opt.errors import EngineError
+
+    prepack = ("lm_haed",) if not model else ("lm_head",)
+    plan = Plan(source=str(tiny_dir)).replace_section("hardware", prepack=prepack).replace_section("model", **model)
+    with pytest.raises(EngineError, match=needle):
+        Engine.build(plan, progress=_quiet)

@@ -2,7 +2,8 @@
 
 Passes: ``device`` (one device, or accelerate's ``device_map`` over several with CPU/disk
 offload), ``dtype``, ``threads``, ``attention`` (kernel), ``matmul_precision`` (TF32 on CUDA) and
-``compile`` (torch.compile of the decode step). GPU-only options say so in ``check``.
+``compile`` (torch.compile of the decode step) and ``prepack`` (oneDNN's blocked weight layout for
+named Linear modules, CPU). GPU-only options say so in ``check``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..machine import Machine
 from ..passes import Layer, Pass, register
 from ..plan import Plan
 
-__all__ = ["Attention", "Compile", "Device", "Dtype", "MatmulPrecision", "Threads", "target_device"]
+__all__ = ["Attention", "Compile", "Device", "Dtype", "MatmulPrecision", "Prepack", "Threads", "target_device"]
 
 
 @register
@@ -286,7 +287,58 @@ class Compile(Pass):
             return "bitsandbytes-quantized models cannot be compiled by transformers (hf_quantizer.is_compileable is False)"
         if hw.offload_folder is not None or any(m.startswith("cpu=") for m in hw.max_memory):
             return "compiling is not supported with CPU or disk offload (device_map); transformers skips it"
+        if hw.prepack:
+            return f"the plan prepacks {list(hw.prepack)} for oneDNN (TorchScript modules); compile a plan without prepack"
         return None
 
     def apply(self, plan: Plan) -> Plan:
         return plan.replace_section("hardware", compile=self.mode)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Prepack(Pass):
+    """Repack named Linear weights into oneDNN's blocked layout (CPU, float32): a faster matmul kernel.
+
+    torch's default CPU kernel is slow for a wide, shallow matrix such as a small model's output
+    head (SmolLM2: 49152 x 576): one decode token's lm_head took 9.4 ms, the prepacked oneDNN
+    kernel 3.9 ms, about this machine's bandwidth ceiling (docs/passes.md). Where the head is tied
+    to the embedding the packed weight is a second copy (+113 MB on SmolLM2), and the sums round
+    differently in the last bits. The engine applies it after loading and quantization, and a
+    build fails if a named module is not a float32 ``torch.nn.Linear`` by then.
+    """
+
+    name = "prepack"
+    layer = Layer.HARDWARE
+
+    modules: tuple[str, ...] = ("lm_head",)
+
+    def __post_init__(self) -> None:
+        if not self.modules or not all(isinstance(m, str) and m for m in self.modules):
+            raise RecipeError(f"pass 'prepack', parameter 'modules': got {list(self.modules)}, expected module names like ['lm_head'].")
+
+    def unavailable(self, machine: Machine) -> str | None:
+        import torch
+
+        if not torch.backends.mkldnn.is_available():
+            return "this torch build has no oneDNN (mkldnn) CPU kernels"
+        return None
+
+    def check(self, plan: Plan, machine: Machine) -> str | None:
+        if reason := self.unavailable(machine):
+            return reason
+        hw, mp = plan.hardware, plan.model
+        if set(self.modules) <= set(hw.prepack):
+            return f"the plan already prepacks {list(self.modules)}"
+        if target_device(hw.device, machine) != "cpu" or hw.device_map is not None:
+            return f"oneDNN prepacking is for CPU inference; the plan runs on {hw.device_map or hw.device}"
+        if hw.dtype != "float32":
+            return f"prepacking is measured for float32 weights; the plan runs in {hw.dtype}"
+        if hw.compile is not None:
+            return "the plan compiles the decode step; prepacked (TorchScript) modules would break the graph"
+        if mp.weight_bits is not None and (quantized := [m for m in self.modules if m not in mp.quant_skip]):
+            return f"the plan quantizes {quantized}; prepacking needs float weights (add them to quantize's skip)"
+        return None
+
+    def apply(self, plan: Plan) -> Plan:
+        return plan.replace_section("hardware", prepack=tuple(sorted({*plan.hardware.prepack, *self.modules})))
