@@ -196,9 +196,11 @@ class Pipeline:
             step.metrics["weight_mb"] = round(step.census["weight_bytes"] / 2**20, 1)
             step.metrics.update(intervals=cmp.intervals, comparison=cmp.info, roofline=steps.roofline(engine, after))
             bands, changes = cmp.bands, cmp.changes
-            before_values = {**_metrics(current, current_quality)}
+            before_values = {**_metrics(current, current_quality), "weight_mb": self._weight_mb}
             after_values = {**step.metrics, **quality}
             before_values.update(current_quality)
+            if self._weight_mb:  # a census number: exact, so no noise band
+                changes = {**changes, "weight_mb": step.metrics["weight_mb"] / self._weight_mb - 1}
             baseline_values = {**{k: v for k, v in baseline_metrics.items() if k != "quality"}, **baseline_metrics["quality"]}
             verdict = recipe.policy.judge(p.layer, before_values, after_values, changes, bands, baseline=baseline_values)
             step.changes, step.bands = verdict.changes, verdict.bands

@@ -40,7 +40,11 @@ QUALITY_METRICS: dict[str, bool] = {  # metric -> True when higher is better
     "accuracy": True,
     "path_agreement": True,
 }
-ALL_METRICS = {**METRICS, **QUALITY_METRICS}
+# Read from the engine's census, not a clock: the bytes the plan's weights hold. Guarded because
+# peak RSS cannot show a weight change while the previous plan's model is resident for interleaved
+# measurement (docs/metrics.md).
+CENSUS_METRICS: dict[str, bool] = {"weight_mb": False}
+ALL_METRICS = {**METRICS, **QUALITY_METRICS, **CENSUS_METRICS}
 
 DEFAULT_OBJECTIVES = {
     Layer.HARDWARE: "decode_tokens_per_s",
@@ -52,8 +56,8 @@ DEFAULT_OBJECTIVES = {
 # Scheduling leaves per-request latency off the list: batching makes each request a little slower
 # and the machine much more productive; a recipe states its latency SLOs as guards instead.
 WATCH = {
-    Layer.HARDWARE: ("decode_tokens_per_s", "ttft_ms", "throughput_tokens_per_s", "peak_memory_mb"),
-    Layer.MODEL: ("decode_tokens_per_s", "ttft_ms", "throughput_tokens_per_s", "peak_memory_mb"),
+    Layer.HARDWARE: ("decode_tokens_per_s", "ttft_ms", "throughput_tokens_per_s", "peak_memory_mb", "weight_mb"),
+    Layer.MODEL: ("decode_tokens_per_s", "ttft_ms", "throughput_tokens_per_s", "peak_memory_mb", "weight_mb"),
     Layer.SCHEDULING: ("throughput_tokens_per_s",),
     Layer.APPLICATION: ("ttft_ms",),
 }

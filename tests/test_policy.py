@@ -128,3 +128,17 @@ def test_unmeasured_objective_is_rolled_back():
     """When the objective could not be measured, the pass is not kept and the reason says so."""
     verdict = Policy().judge(Layer.HARDWARE, BEFORE, BEFORE, {"decode_tokens_per_s": None}, BANDS)
     assert not verdict.kept and "could not be measured" in verdict.reason
+
+
+def test_weights_that_grow_beyond_max_regression_roll_back_a_faster_hardware_pass():
+    """weight_mb (from the census, exact: no band) is watched like peak memory: +21% weights for
+    +6% decode is rolled back by default, and kept when the recipe allows the memory."""
+    before = {**BEFORE, "weight_mb": 513.0}
+    after = {**before, "decode_tokens_per_s": 106.0, "weight_mb": 621.0}
+    changes = {**dict.fromkeys(BANDS, 0.0), "decode_tokens_per_s": 0.06, "weight_mb": 621 / 513 - 1}
+    verdict = Policy().judge(Layer.HARDWARE, before, after, changes, BANDS)
+    assert not verdict.kept and verdict.outcome == "guard" and "weight_mb max_regression 10% tripped: +21.1% (513.0 -> 621.0)" in verdict.reason
+    relaxed = Policy(guards={"weight_mb": {"max_regression": 0.25}}).judge(Layer.HARDWARE, before, after, changes, BANDS)
+    assert relaxed.kept, relaxed.reason
+    shrunk = Policy().judge(Layer.MODEL, before, {**after, "weight_mb": 210.0}, {**changes, "weight_mb": 210 / 513 - 1}, BANDS)
+    assert shrunk.kept, shrunk.reason  # smaller weights are never a regression
