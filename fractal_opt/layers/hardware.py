@@ -303,8 +303,8 @@ class Prepack(Pass):
     torch's default CPU kernel is slow for a wide, shallow matrix such as a small model's output
     head (SmolLM2: 49152 x 576): one decode token's lm_head took 9.4 ms, the prepacked oneDNN
     kernel 3.9 ms, about this machine's bandwidth ceiling (docs/passes.md). Where the head is tied
-    to the embedding the packed weight is a second copy (+113 MB on SmolLM2), and the sums round
-    differently in the last bits. The engine applies it after loading and quantization, and a
+    to the embedding the packed weight is a second copy (+113 MB on SmolLM2, which the default
+    ``weight_mb`` guard refuses), and the sums round differently in the last bits. The engine applies it after loading and quantization, and a
     build fails if a named module is not a float32 ``torch.nn.Linear`` by then.
     """
 
