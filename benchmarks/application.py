@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fractal_opt.engine import Engine
 from fractal_opt.errors import FractalOptError
-from fractal_opt.measure import compare, measure
+from fractal_opt.measure.runner import compare, measure
 from fractal_opt.plan import ApplicationPlan, Plan
-from fractal_opt.quality import agreement_between
+from fractal_opt.quality.probes import agreement_between
+from fractal_opt.runtimes import Engine
 from fractal_opt.workload import Workload
 
 MODEL = "smollm2-135m-instruct"

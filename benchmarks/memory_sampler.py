@@ -32,11 +32,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from fractal_opt.engine import Engine
-    from fractal_opt.measure import Sample
-    from fractal_opt.memory import MemoryWindow
-    from fractal_opt.noise import paired_interval
+    from fractal_opt.measure.memory import MemoryWindow
+    from fractal_opt.measure.noise import paired_interval
+    from fractal_opt.measure.runner import Sample
     from fractal_opt.plan import HardwarePlan, Plan
+    from fractal_opt.runtimes import Engine
     from fractal_opt.workload import Workload
 
     engine = Engine.build(Plan(source="smollm2-135m-instruct", hardware=HardwarePlan(threads=args.threads)), progress=lambda m: None)

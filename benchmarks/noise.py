@@ -79,10 +79,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from fractal_opt.engine import Engine
-    from fractal_opt.measure import measure, measure_pair, paired_changes
-    from fractal_opt.noise import band
+    from fractal_opt.measure.noise import band
+    from fractal_opt.measure.runner import measure, measure_pair, paired_changes
     from fractal_opt.plan import HardwarePlan, Plan
+    from fractal_opt.runtimes import Engine
     from fractal_opt.workload import Workload
 
     plan = Plan(source="smollm2-135m-instruct", hardware=HardwarePlan(threads=args.threads))

@@ -43,10 +43,10 @@ def main() -> int:
     if args.gqa == "repeat":
         fractal_opt.engine.native_gqa_applies = lambda plan: False  # what plain transformers does
 
-    from fractal_opt.engine import Engine
-    from fractal_opt.load import LoadProfile, build_items, run_load
+    from fractal_opt.measure.load import build_items, run_load
     from fractal_opt.plan import HardwarePlan, Plan, SchedulingPlan
-    from fractal_opt.workload import Workload
+    from fractal_opt.runtimes import Engine
+    from fractal_opt.workload import LoadProfile, Workload
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""fractal_opt: optimize LLM inference on Hugging Face transformers the way a careful expert does.
+"""fractal_opt: optimize LLM inference the way a careful expert does.
 
 Measure first, change one thing, measure again, keep it only if it helped — across a tower of four
 layers (hardware, model, scheduling, application).
@@ -17,17 +17,18 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .budget import budget  # arithmetic only: no torch (the module and the function share a name)
 from .errors import EngineError, FractalOptError, ModelSourceError, RecipeError
-from .passes import Layer, Pass, get_pass, passes_by_layer, register, registry
+from .layers import get_pass, passes_by_layer, registry
+from .measure.budget import budget  # arithmetic only: no torch (the module and the function share a name)
+from .passes import Layer, Pass, register
 from .plan import Plan
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .machine import Machine
-    from .pipeline import Pipeline, Result, optimize
+    from .pipeline.runner import Pipeline, Result, optimize
+    from .pipeline.trace import Trace
     from .recipe import Recipe, dump_recipe, load_recipe
-    from .trace import Trace
+    from .runtimes import Engine
     from .workload import Workload
 
 __version__ = "0.1.0"
@@ -59,15 +60,15 @@ __all__ = [
 
 # Names resolved on first access, so that `import fractal_opt` stays cheap (no torch).
 _LAZY = {
-    "Engine": "engine",
+    "Engine": "runtimes",
     "Machine": "machine",
-    "Pipeline": "pipeline",
-    "Result": "pipeline",
-    "optimize": "pipeline",
+    "Pipeline": "pipeline.runner",
+    "Result": "pipeline.runner",
+    "optimize": "pipeline.runner",
     "Recipe": "recipe",
     "dump_recipe": "recipe",
     "load_recipe": "recipe",
-    "Trace": "trace",
+    "Trace": "pipeline.trace",
     "Workload": "workload",
 }
 

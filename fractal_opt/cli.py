@@ -22,7 +22,7 @@ __all__ = ["main"]
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .pipeline import optimize
+    from .pipeline.runner import optimize
 
     result = optimize(args.recipe, out=args.out, progress=not args.quiet)
     print(result.trace.to_text())
@@ -47,8 +47,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_passes(args: argparse.Namespace) -> int:
+    from .layers import passes_by_layer
     from .machine import Machine
-    from .passes import passes_by_layer
 
     machine = Machine.probe()
     for layer, classes in passes_by_layer().items():
@@ -71,7 +71,7 @@ def _type(annotation) -> str:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .engine import Engine
+    from .runtimes import Engine
 
     engine = Engine.from_recipe(args.recipe, progress=lambda m: print(m, file=sys.stderr))
     for piece in engine.stream(args.prompt, max_new_tokens=args.max_new_tokens):
@@ -81,7 +81,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_budget(args: argparse.Namespace) -> int:
-    from .budget import budget
+    from .measure.budget import budget
 
     b = budget(args.model, context=args.context, batch=args.batch, dtype=args.dtype, weights_bits=args.weights_bits, kv_bits=args.kv_bits,
                memory_gb=args.memory_gb, bandwidth_gbs=args.bandwidth_gbs)

@@ -35,7 +35,7 @@ if typing.TYPE_CHECKING:
     from .machine import Machine
     from .plan import Plan
 
-__all__ = ["Layer", "Pass", "get_pass", "passes_by_layer", "register", "registry"]
+__all__ = ["ENTRY_POINT_GROUP", "Layer", "Pass", "register", "registered"]
 
 ENTRY_POINT_GROUP = "fractal_opt.passes"
 
@@ -113,7 +113,6 @@ class Pass:
 # --------------------------------------------------------------------------- registry
 
 _REGISTRY: dict[str, type[Pass]] = {}
-_loaded = False
 
 
 def register(cls: type[Pass]) -> type[Pass]:
@@ -136,46 +135,7 @@ def register(cls: type[Pass]) -> type[Pass]:
     return cls
 
 
-def registry() -> dict[str, type[Pass]]:
-    """All registered passes by name: the built-in layers plus entry-point plugins."""
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from . import layers  # noqa: F401  (importing registers the built-in passes)
-
-        _load_entry_points()
+def registered() -> dict[str, type[Pass]]:
+    """The passes registered so far, by name (:func:`fractal_opt.layers.registry` adds the built-in
+    layers and the entry-point plugins first)."""
     return dict(_REGISTRY)
-
-
-def _load_entry_points() -> None:
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            ep.load()
-        except Exception as e:  # a broken plugin must not break the built-in passes
-            import warnings
-
-            warnings.warn(f"fractal_opt: could not load pass plugin {ep.name!r} ({ep.value}): {e}", stacklevel=2)
-
-
-def get_pass(name: str) -> type[Pass]:
-    """The pass class registered as ``name``.
-
-    Raises:
-        RecipeError: unknown name, with the valid names and the closest match.
-    """
-    passes = registry()
-    if name not in passes:
-        valid = sorted(passes)
-        msg = f"Unknown pass {name!r}. Valid passes are: {valid}.{closest(name, valid)}"
-        raise RecipeError(msg)
-    return passes[name]
-
-
-def passes_by_layer() -> dict[Layer, list[type[Pass]]]:
-    """Registered passes grouped by layer, bottom up."""
-    grouped: dict[Layer, list[type[Pass]]] = {layer: [] for layer in Layer}
-    for cls in registry().values():
-        grouped[cls.layer].append(cls)
-    return grouped

@@ -32,6 +32,7 @@ __all__ = [
 class HardwarePlan:
     """Layer 1: where and how the math runs."""
 
+    runtime: str = "transformers"  # the inference engine that serves the plan (fractal_opt.runtimes)
     device: str = "cpu"  # cpu | cuda | cuda:N | mps; "auto" resolves when the engine builds
     device_map: str | None = None  # accelerate placement over several devices: auto | balanced | balanced_low_0 | sequential
     max_memory: tuple[str, ...] = ()  # per-device caps for device_map, "device=size" ("0=20GiB", "cpu=64GiB")
@@ -142,7 +143,7 @@ class Plan:
         """The fields that decide the loaded weights; plans sharing it share one loaded model."""
         hw, m = self.hardware, self.model
         return (
-            self.source, hw.device, hw.device_map, hw.max_memory, hw.offload_folder, hw.dtype, hw.attention, hw.prepack,
+            self.source, hw.runtime, hw.device, hw.device_map, hw.max_memory, hw.offload_folder, hw.dtype, hw.attention, hw.prepack,
             m.weight_bits, m.quant_backend, m.quant_method, m.quant_group_size, m.quant_skip, m.quant_sensitivity_max_kl,
         )
 

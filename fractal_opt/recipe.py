@@ -29,10 +29,11 @@ import yaml
 
 from . import models
 from .errors import ModelSourceError, RecipeError, closest
-from .passes import Layer, Pass, get_pass, registry
+from .layers import get_pass, registry
+from .passes import Layer, Pass
 from .plan import Plan
 from .policy import Policy
-from .quality import QualityConfig
+from .quality.probes import QualityConfig
 from .validate import build
 from .workload import Workload
 
@@ -138,7 +139,7 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
     policy = build(Policy, data.get("policy"), where=f"{where}: policy")
     quality = build(QualityConfig, data.get("quality"), where=f"{where}: quality")
     if quality.eval:
-        from .evals import load_eval_set
+        from .quality.evals import load_eval_set
 
         load_eval_set(quality.eval)  # validates the eval set before any model loads
     passes = _parse_passes(data.get("passes"), where=f"{where}: passes")

@@ -120,7 +120,7 @@ def tiny_model(path: str | Path, *, hidden_size: int = 128, layers: int = 2, voc
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from .quality import reference_text
+    from .quality.reference import reference_text
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -19,13 +19,13 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from .errors import RecipeError, closest
 
-__all__ = ["Request", "Workload", "packaged_suites"]
+__all__ = ["LoadProfile", "Request", "Workload", "packaged_suites"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class Workload:
 
     def load_profile(self):
         """The ``load`` key as a :class:`fractal_opt.load.LoadProfile` (None without one)."""
-        from .load import LoadProfile
+        from .workload import LoadProfile
 
         return None if self.load is None else LoadProfile.from_data(self.load)
 
@@ -154,3 +154,76 @@ def _load_suite(suite: str) -> Any:
         raise RecipeError(msg)
     text = (resources.files("fractal_opt") / "data" / "suites" / f"{suite}.yaml").read_text(encoding="utf-8")
     return yaml.safe_load(text)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadProfile:
+    """Workload key ``load``: how requests arrive during a measurement.
+
+    Attributes:
+        mode: ``closed`` (``concurrency`` requests always in flight) or ``poisson`` (``rate`` per s).
+        concurrency: closed-loop clients. Under a concurrency ramp the clients follow the level.
+        rate: Poisson arrivals per second (required for ``poisson``).
+        requests: requests per measurement round (None = 2 × concurrency, at least the suite).
+        output_tokens: token budgets drawn per request (seeded) for mixed output lengths;
+            empty = every request gets the workload's max_new_tokens.
+        ignore_eos: generate each request's whole budget (fixed output lengths, as benchmarks do).
+        timeout_s: per-request deadline (None = the plan's).
+        cancel_fraction: share of requests the client cancels after a random delay in
+            ``[0, cancel_after_s]`` (tests the cancel path under load).
+        memory_headroom: share of the device's memory that must stay free; a round that leaves
+            less fails (and a concurrency ramp stops).
+        seed: seeds output lengths, arrival gaps and cancellations.
+        slo_ttft_ms / slo_tpot_ms / slo_e2e_ms: latency objectives per request (None = none):
+            time to first token, mean time per output token after the first, end to end. With
+            any of them set, the summary reports goodput: the requests (and their tokens) per
+            second that finished and met every objective.
+    """
+
+    mode: Literal["closed", "poisson"] = "closed"
+    concurrency: int = 8
+    rate: float | None = None
+    requests: int | None = None
+    output_tokens: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    timeout_s: float | None = None
+    cancel_fraction: float = 0.0
+    cancel_after_s: float = 0.5
+    memory_headroom: float = 0.1
+    seed: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_e2e_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.concurrency < 1:
+            problems.append(f"'concurrency': got {self.concurrency}, expected an integer >= 1")
+        if self.mode == "poisson" and (self.rate is None or self.rate <= 0):
+            problems.append(f"'rate': got {self.rate}, expected requests per second > 0 for mode 'poisson'")
+        if self.requests is not None and self.requests < 1:
+            problems.append(f"'requests': got {self.requests}, expected an integer >= 1 or null")
+        if any(n < 1 for n in self.output_tokens):
+            problems.append(f"'output_tokens': got {list(self.output_tokens)}, expected token budgets >= 1")
+        if not 0 <= self.cancel_fraction <= 1:
+            problems.append(f"'cancel_fraction': got {self.cancel_fraction}, expected a fraction in [0, 1]")
+        if not 0 <= self.memory_headroom < 1:
+            problems.append(f"'memory_headroom': got {self.memory_headroom}, expected a fraction in [0, 1)")
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "slo_e2e_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                problems.append(f"{name!r}: got {value}, expected milliseconds > 0 or null")
+        if problems:
+            raise RecipeError("workload, key 'load': " + "; ".join(problems) + ".")
+
+    def slos(self) -> dict[str, float]:
+        """The latency objectives that are set, by record attribute."""
+        pairs = (("ttft_ms", self.slo_ttft_ms), ("tpot_ms", self.slo_tpot_ms), ("e2e_ms", self.slo_e2e_ms))
+        return {name: limit for name, limit in pairs if limit is not None}
+
+    @classmethod
+    def from_data(cls, data: Any) -> LoadProfile:
+        """Build from the YAML mapping, naming unknown keys and wrong types."""
+        from .validate import build
+
+        return build(cls, data, where="workload, key 'load'")

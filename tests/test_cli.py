@@ -7,7 +7,7 @@ import json
 import yaml
 
 from fractal_opt.cli import main
-from fractal_opt.passes import registry
+from fractal_opt.layers import registry
 
 
 def test_check_bad_recipe_exits_2_without_traceback(tiny_dir, tmp_path, capsys):

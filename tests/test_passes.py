@@ -7,11 +7,12 @@ from dataclasses import dataclass
 import pytest
 
 from fractal_opt.errors import FractalOptError
+from fractal_opt.layers import registry
 from fractal_opt.layers.application import MaxNewTokens
 from fractal_opt.layers.hardware import Attention, Dtype, Threads
 from fractal_opt.layers.model import KVCache, Quantize
 from fractal_opt.layers.scheduling import Batching
-from fractal_opt.passes import Layer, Pass, register, registry
+from fractal_opt.passes import Layer, Pass, register
 from fractal_opt.plan import HardwarePlan, Plan
 from fractal_opt.testing import check_pass, cpu_machine
 

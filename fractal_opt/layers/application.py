@@ -198,7 +198,7 @@ class ResponseCache(Pass):
 
     def unavailable(self, machine: Machine) -> str | None:
         if self.mode == "semantic":
-            from ..response_cache import embedder_unavailable
+            from ..serving.response_cache import embedder_unavailable
 
             return embedder_unavailable()
         return None

@@ -83,7 +83,7 @@ class Batching(Pass):
         if self.mode == "continuous":
             if plan.hardware.attention not in ("sdpa", "eager") and not plan.hardware.attention.startswith(("flash", "paged")):
                 return f"continuous batching supports sdpa, eager and flash attention; the plan uses {plan.hardware.attention!r}"
-            from ..serving_cb import cb_unsupported
+            from ..runtimes.transformers.continuous import cb_unsupported
 
             if bad := cb_unsupported(plan):
                 return f"transformers' continuous batching would ignore the plan's {bad}; use static or sequential batching"

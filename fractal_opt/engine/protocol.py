@@ -1,0 +1,132 @@
+"""The Engine protocol: all the rest of the house may ask of a loaded deployment.
+
+Measurement, quality, serving and the runner import only this module; each runtime
+(:mod:`fractal_opt.runtimes`) implements it. A runtime maps the plan's fields onto its own settings
+or refuses them in :meth:`Engine.refuse` (the runner calls it after the pass's own ``check``, and a
+refused step is ``skipped`` with that reason, never silently ignored).
+
+Example:
+    >>> from fractal_opt.runtimes import build                        # doctest: +SKIP
+    >>> engine = build(Plan(source="smollm2-135m-instruct"))           # doctest: +SKIP
+    >>> engine.generate("What is the capital of France?")              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..workload import Request
+
+if TYPE_CHECKING:
+    from ..machine import Machine
+    from ..plan import Plan
+    from ..workload import Workload
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "Engine", "Generation", "as_request"]
+
+DEFAULT_MAX_NEW_TOKENS = 256  # generate() budget when neither the plan nor the caller sets one
+
+
+@dataclass
+class Generation:
+    """One served request: the output and the clock readings the measurer needs."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    t_submit: float  # perf_counter() when the request was handed to the engine
+    t_prefill_start: float  # when generate() passed the prompt to the streamer (prefill starts)
+    token_times: list[float] = field(default_factory=list)  # perf_counter() per generated token
+    hit_cap: bool = False  # stopped by the token budget, not by end-of-sequence
+    cache_hit: str | None = None  # "exact" / "semantic" when the response cache answered (no generate call)
+    prompt_tokens_saved: int = 0  # prompt tokens the plan's prompt budget removed
+    streamed: bool = True  # False for beam search: no per-token clock, only t_done
+    t_done: float | None = None  # perf_counter() when the answer was complete
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Engine(abc.ABC):
+    """A loaded deployment serving requests as its Plan says.
+
+    Attributes:
+        plan: the plan it was built from.
+        machine: the probed machine (None in tests that need none).
+        load_s: seconds spent loading (0 when the weights came from a cache).
+        default_max_new_tokens: the budget of a request that names none.
+    """
+
+    plan: Plan
+    machine: Machine | None
+    load_s: float
+    default_max_new_tokens: int
+
+    # ------------------------------------------------------------------ what a runtime can do
+    @classmethod
+    def refuse(cls, plan: Plan) -> str | None:
+        """Why this runtime cannot honour ``plan`` (a field it cannot map), or None."""
+        return None
+
+    def prepare(self, requests: Sequence[Request], workload: Workload) -> dict[str, float]:
+        """Start-up work a user pays once before serving (compiling, warming caches), untimed by the
+        measurement; returns the timings to show (e.g. ``{"compile_s": 41.0}``). Default: none."""
+        return {}
+
+    # ------------------------------------------------------------------ serving
+    @abc.abstractmethod
+    def serve(self, requests: Sequence[Request], *, max_new_tokens: int | None = None, seed: int = 0, sync: Any = None) -> list[Generation]:
+        """Serve ``requests`` as the plan's scheduling says, with a clock reading per token."""
+
+    @abc.abstractmethod
+    def stream(self, prompt: str | Sequence[dict[str, str]], *, max_new_tokens: int | None = None) -> Iterator[str]:
+        """Yield the answer's text piece by piece as tokens are generated."""
+
+    @abc.abstractmethod
+    def server(self, *, seed: int = 0, ignore_eos: bool = False) -> Any:
+        """A request server (:class:`fractal_opt.serving.server.Server`) scheduled as the plan says."""
+
+    def generate(self, prompt: str | Sequence[dict[str, str]], *, max_new_tokens: int | None = None) -> str:
+        """Answer one prompt (a user message, or a list of chat messages) and return the text."""
+        return self.serve([as_request(prompt)], max_new_tokens=max_new_tokens)[0].text
+
+    def budget(self, max_new_tokens: int | None) -> int:
+        """Tokens a request may generate: the caller's (or default) budget, capped by the plan."""
+        budget = max_new_tokens or self.default_max_new_tokens
+        cap = self.plan.application.max_new_tokens
+        return min(budget, cap) if cap else budget
+
+    # ------------------------------------------------------------------ inspection
+    @abc.abstractmethod
+    def census(self) -> dict[str, Any]:
+        """What was built: at least ``weight_bytes`` and ``quantized_linear_layers``."""
+
+    def next_token_logprobs(self, input_ids: Any, *, chunk: int = 512) -> Iterator[Any]:
+        """Teacher-forced next-token log-probabilities for a 1-D token tensor, in ``[<=chunk, vocab]``
+        pieces (the quality probes' KL and flip rate). A runtime that cannot give them raises."""
+        raise NotImplementedError(f"{type(self).__name__} gives no teacher-forced log-probabilities")
+
+    def reset_response_cache(self) -> None:
+        """Empty the plan's response cache and its counters (a no-op without one)."""
+
+    def cache_stats(self) -> dict[str, int] | None:
+        """The response cache's counters, or None without a cache."""
+        return None
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what this engine holds (a server process, a model reference)."""
+
+
+def as_request(prompt: str | Request | Sequence[dict[str, str]]) -> Request:
+    """A Request from a user message, a Request, or a list of chat messages."""
+    if isinstance(prompt, str):
+        return Request(id="request", messages=(("user", prompt),))
+    if isinstance(prompt, Request):
+        return prompt
+    return Request.from_data({"messages": list(prompt)}, index=0, where="generate()")

@@ -1,0 +1,1 @@
+"""The runner: baseline, then each pass measured and judged; the trace and its reports."""

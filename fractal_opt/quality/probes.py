@@ -1,0 +1,193 @@
+"""Quality probes, relative to the baseline plan: computed once for the baseline, reused per step.
+
+- ``kl_mean`` / ``kl_p99`` / ``kl_max``: KL(baseline || candidate) of the teacher-forced
+  next-token distributions on the shipped reference text (``fractal_opt/data/reference.txt``).
+- ``top1_flip``: share of reference positions whose most likely next token changed.
+- ``ppl_ratio``: candidate perplexity / baseline perplexity on the same text, with a 95% interval
+  (``ppl_ratio_low`` / ``ppl_ratio_high``) from the per-token log-likelihood differences.
+- ``agreement``: greedy outputs on the workload, mean over requests of the matching prefix length
+  divided by the baseline output's length (1.0 = identical; strict: one early flip gives ~0);
+  ``similarity`` is the gentler token-sequence similarity (difflib ratio), averaged.
+- ``accuracy``: share of a task eval set answered right (``quality.eval``; see evals.py).
+- custom probes: ``quality.probes: ["pkg.module:function"]``; the function receives the engine and
+  returns named numbers, stored as ``function.name``.
+
+Model-level probes (KL, flips, perplexity) are recomputed only when the plan's numerics changed
+(``Plan.numerics_key``); a pass that changes only decoding or scheduling reuses them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .reference import reference_text
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..engine.protocol import Engine
+
+__all__ = ["QualityConfig", "Reference", "agreement", "build_reference", "model_probes", "reference_text"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class QualityConfig:
+    """Recipe section ``quality``.
+
+    Attributes:
+        reference_tokens: how many tokens of the reference text (about 2,700 shipped) the KL probe
+            scores, in chunks of 512; each model-changing step pays one prefill over them.
+        eval: a packaged eval set name (``basics``) or a .yaml/.jsonl path; scored on every step.
+        eval_max_new_tokens: the answer budget for eval items.
+        probes: custom probes, ``"package.module:function"``.
+    """
+
+    reference_tokens: int = 1024
+    eval: str | None = None
+    eval_max_new_tokens: int = 24
+    probes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from ..errors import RecipeError
+
+        if self.reference_tokens < 16:
+            raise RecipeError(f"quality, key 'reference_tokens': got {self.reference_tokens}, expected an integer >= 16.")
+        if self.eval_max_new_tokens < 1:
+            raise RecipeError(f"quality, key 'eval_max_new_tokens': got {self.eval_max_new_tokens}, expected an integer >= 1.")
+        for spec in self.probes:
+            if spec.count(":") != 1 or not all(spec.split(":")):
+                raise RecipeError(f"quality, key 'probes': {spec!r} is not of the form 'package.module:function'.")
+
+    def load_probes(self) -> dict[str, Callable[..., dict[str, float]]]:
+        """Import the custom probes (``module:function``); each takes the engine, returns named numbers."""
+        import importlib
+
+        from ..errors import RecipeError
+
+        out = {}
+        for spec in self.probes:
+            module_name, func_name = spec.split(":")
+            try:
+                func = getattr(importlib.import_module(module_name), func_name)
+            except (ImportError, AttributeError) as e:
+                raise RecipeError(f"quality, key 'probes': cannot import {spec!r}: {e}.") from None
+            if not callable(func):
+                raise RecipeError(f"quality, key 'probes': {spec!r} is not callable.")
+            out[func_name] = func
+        return out
+
+
+# The baseline keeps only its top-K next-token log-probabilities per position, plus the mass of
+# the rest: 2,048 positions × 256 × 12 bytes ≈ 6 MB instead of 400 MB of full distributions.
+TOP_K = 256
+
+
+@dataclass
+class Reference:
+    """The baseline's answers, computed once per run."""
+
+    token_ids: torch.Tensor  # [T] reference text tokens
+    top_ids: torch.Tensor  # [T-1, K] baseline's most likely next tokens at each position
+    top_logprobs: torch.Tensor  # [T-1, K] their log-probabilities
+    token_nll: torch.Tensor  # [T-1] baseline negative log-likelihood of the actual next token
+    outputs: dict[str, list[int]]  # request id -> baseline greedy output tokens
+
+
+def _reference_ids(engine: Engine, config: QualityConfig) -> torch.Tensor:
+    ids = engine.tokenizer(reference_text(), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    return ids[: config.reference_tokens]
+
+
+def _scored(engine: Engine, ids: torch.Tensor):
+    """Yield (log-probs chunk [n, vocab], next tokens [n]) over the text, last position dropped."""
+    start = 0
+    for chunk in engine.next_token_logprobs(ids):
+        n = chunk.shape[0]
+        targets = ids[start + 1 : start + 1 + n]
+        yield chunk[: targets.numel()], targets
+        start += n
+
+
+def build_reference(engine: Engine, outputs: dict[str, list[int]], config: QualityConfig) -> Reference:
+    """Score the reference text with the baseline engine and keep what later steps compare to."""
+    import torch
+
+    ids = _reference_ids(engine, config)
+    tops, top_lps, nlls = [], [], []
+    for lp, targets in _scored(engine, ids):
+        values, indices = lp.topk(min(TOP_K, lp.shape[-1]), dim=-1)
+        tops.append(indices)
+        top_lps.append(values)
+        nlls.append(-lp.gather(1, targets.view(-1, 1))[:, 0])
+    return Reference(token_ids=ids, top_ids=torch.cat(tops), top_logprobs=torch.cat(top_lps), token_nll=torch.cat(nlls), outputs=outputs)
+
+
+def model_probes(reference: Reference, engine: Engine) -> dict[str, float]:
+    """KL, flip rate and perplexity ratio of ``engine`` against the baseline.
+
+    KL is computed over the baseline's top-K tokens plus one bucket for all other tokens: the KL
+    of these coarsened distributions, a lower bound on the full KL that equals it when the
+    baseline puts no mass outside its top K (K = 256).
+    """
+    import torch
+
+    kls, flips, nlls = [], [], []
+    start = 0
+    for lp, targets in _scored(engine, reference.token_ids):
+        n = lp.shape[0]
+        top_ids = reference.top_ids[start : start + n]
+        base = reference.top_logprobs[start : start + n]  # [n, K]
+        cand = lp.gather(1, top_ids)  # [n, K]
+        base_rest = (1 - base.exp().sum(-1)).clamp_min(1e-12)
+        cand_rest = (1 - cand.exp().sum(-1)).clamp_min(1e-12)
+        kl = (base.exp() * (base - cand)).sum(-1) + base_rest * (base_rest.log() - cand_rest.log())
+        kls.append(kl.clamp_min(0))  # tiny negatives are rounding
+        flips.append(lp.argmax(-1) != top_ids[:, 0])
+        nlls.append(-lp.gather(1, targets.view(-1, 1))[:, 0])
+        start += n
+    kl = torch.cat(kls)
+    diff = torch.cat(nlls) - reference.token_nll  # per-token log perplexity change
+    mean, half = diff.mean().item(), 1.96 * diff.std().item() / math.sqrt(diff.numel())  # 95% normal interval
+    return {
+        "kl_mean": round(kl.mean().item(), 6),
+        "kl_p99": round(torch.quantile(kl, 0.99).item(), 6),
+        "kl_max": round(kl.max().item(), 6),
+        "top1_flip": round(torch.cat(flips).float().mean().item(), 4),
+        "ppl_ratio": round(math.exp(mean), 4),
+        "ppl_ratio_low": round(math.exp(mean - half), 4),
+        "ppl_ratio_high": round(math.exp(mean + half), 4),
+    }
+
+
+def agreement_between(base: dict[str, list[int]], outputs: dict[str, list[int]]) -> float:
+    """Share of requests whose token ids are identical in ``outputs`` and ``base`` (path equivalence)."""
+    if not base:
+        return 1.0
+    return round(sum(1 for rid, ids in base.items() if outputs.get(rid) == ids) / len(base), 4)
+
+
+def agreement(reference: Reference, outputs: dict[str, list[int]]) -> dict[str, Any]:
+    """Greedy agreement of ``outputs`` with the baseline's outputs on the workload."""
+    import difflib
+
+    ratios, first_div, similarity = [], [], []
+    for rid, base in reference.outputs.items():
+        cand = outputs.get(rid, [])
+        similarity.append(difflib.SequenceMatcher(a=base, b=cand, autojunk=False).ratio() if base or cand else 1.0)
+        n = 0
+        for a, b in zip(base, cand):
+            if a != b:
+                break
+            n += 1
+        same = n == len(base) == len(cand)
+        ratios.append(1.0 if same else n / max(1, len(base)))
+        if not same:
+            first_div.append(n)
+    return {
+        "agreement": round(sum(ratios) / max(1, len(ratios)), 4),
+        "first_divergence": min(first_div) if first_div else None,
+        "similarity": round(sum(similarity) / max(1, len(similarity)), 4),
+    }

@@ -1,0 +1,74 @@
+"""Runtimes: each implements the Engine protocol (:mod:`fractal_opt.engine.protocol`) on one
+inference engine, and :func:`build` picks the one a plan names (``plan.hardware.runtime``).
+
+- ``transformers``: Hugging Face transformers in this process (the baseline).
+
+Example:
+    >>> from fractal_opt.runtimes import build                      # doctest: +SKIP
+    >>> engine = build(Plan(source="smollm2-135m-instruct"))         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..engine import protocol
+from ..errors import RecipeError, closest
+from ..machine import Machine
+from ..plan import Plan
+
+__all__ = ["RUNTIMES", "Engine", "build", "clear_cache", "evict_except", "from_recipe", "refuse"]
+
+RUNTIMES = ("transformers",)
+
+
+def _engine_class(runtime: str) -> type[protocol.Engine]:
+    if runtime == "transformers":
+        from .transformers.engine import TransformersEngine
+
+        return TransformersEngine
+    msg = f"plan.hardware.runtime: unknown runtime {runtime!r}. Valid runtimes are: {list(RUNTIMES)}.{closest(runtime, RUNTIMES)}"
+    raise RecipeError(msg)
+
+
+def refuse(plan: Plan) -> str | None:
+    """Why the runtime the plan names cannot honour it, or None (the runner skips such a step)."""
+    return _engine_class(plan.hardware.runtime).refuse(plan)
+
+
+def build(plan: Plan, *, machine: Machine | None = None, progress: Callable[[str], None] = print, max_new_tokens: int | None = None) -> protocol.Engine:
+    """Load (or reuse) the deployment ``plan`` describes on the runtime it names."""
+    return _engine_class(plan.hardware.runtime).build(plan, machine=machine, progress=progress, max_new_tokens=max_new_tokens)
+
+
+def from_recipe(recipe: Any, *, progress: Callable[[str], None] = print) -> protocol.Engine:
+    """Build the deployment a recipe describes (a path, YAML text, a dict or a Recipe)."""
+    from ..recipe import load_recipe
+
+    rec = load_recipe(recipe)
+    return build(rec.plan(), progress=progress, max_new_tokens=rec.workload.max_new_tokens)
+
+
+def evict_except(keep: set[tuple]) -> None:
+    """Drop every runtime's cached models whose weights key is not in ``keep``."""
+    from .transformers.engine import evict_except as transformers_evict
+
+    transformers_evict(keep)
+
+
+def clear_cache() -> None:
+    """Drop every runtime's cached models (frees memory; the next build loads again)."""
+    from .transformers.engine import clear_cache as transformers_clear
+
+    transformers_clear()
+
+
+class Engine:
+    """The face of the runtimes, for apps: ``Engine.from_recipe("recipe.yaml")`` or
+    ``Engine.build(plan)`` returns the engine of the runtime the plan names; every one implements
+    :class:`fractal_opt.engine.protocol.Engine` (generate, stream, serve, server, census, close)."""
+
+    build = staticmethod(build)
+    from_recipe = staticmethod(from_recipe)
+    refuse = staticmethod(refuse)

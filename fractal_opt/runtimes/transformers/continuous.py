@@ -1,0 +1,170 @@
+"""Continuous batching through transformers' own engine (``model.init_continuous_batching``).
+
+transformers runs the batch in a background thread on a paged KV cache: each step decodes one
+token for every running request and prefills new ones in the room left (``max_batch_tokens``),
+so a request joins the batch when it arrives and leaves it when it ends. This module only feeds
+that manager: it admits queued tickets while fewer than ``in_flight_limit(plan)`` run, routes
+streamed outputs to tickets, and cancels ended tickets with ``cancel_request`` (which frees their
+cache blocks at the next step). No attention or cache code of our own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import queue
+from typing import Any
+
+from ...errors import EngineError, RequestRejected
+from ...serving.server import _POLL_S, Server, Ticket
+
+__all__ = ["ContinuousServer", "cb_config", "cb_unsupported"]
+
+# Default KV-cache sizing when the plan leaves cb_num_blocks unset: room for every in-flight
+# request to hold a prompt of this many tokens plus its full token budget. A request that outgrows
+# it is paused and resumed by transformers' scheduler, never dropped.
+_PROMPT_TOKENS_SIZED = 512
+# Tokens per forward pass when the plan leaves cb_max_batch_tokens unset. transformers' default
+# (8192) sizes a [tokens, cache] attention mask that took 5-8 s to the first token on the 4-layer
+# test model on this 2-core CPU; 256 took 0.08 s (measured while sizing this default).
+_MAX_BATCH_TOKENS = 256
+
+
+# generate() arguments transformers' continuous batching honours; any other one the plan asks for
+# (beams, prompt-lookup or draft speculation, stop strings, n-gram bans, a static / quantized /
+# compiled cache) it would silently ignore, so such plans are refused instead.
+_CB_ARGS = frozenset({"max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "pad_token_id", "repetition_penalty"})
+
+
+class _NoTokenizer:
+    pad_token_id = None
+
+
+def cb_unsupported(plan: Any) -> list[str]:
+    """The generate() arguments of ``plan`` that continuous batching cannot honour (pure: no model)."""
+    from .generate_kwargs import generate_kwargs
+
+    kwargs = generate_kwargs(plan, _NoTokenizer(), budget=1)
+    bad = sorted(k for k in kwargs if k not in _CB_ARGS)
+    if kwargs.get("repetition_penalty", 1.0) != 1.0:
+        bad.append("repetition_penalty")
+    return bad
+
+
+def cb_config(scheduling: Any, *, in_flight: int, budget: int, seed: int) -> Any:
+    """The ``ContinuousBatchingConfig`` for a plan's scheduling section."""
+    from transformers import ContinuousBatchingConfig
+
+    num_blocks = scheduling.cb_num_blocks
+    if num_blocks is None and scheduling.cb_max_memory_percent is None:
+        # Size the cache for the work, not for 60% of free RAM (transformers' CPU default).
+        num_blocks = math.ceil(in_flight * (_PROMPT_TOKENS_SIZED + budget) / scheduling.cb_page_size)
+    return ContinuousBatchingConfig(
+        page_size=scheduling.cb_page_size,
+        num_blocks=num_blocks,
+        max_batch_tokens=scheduling.cb_max_batch_tokens or _MAX_BATCH_TOKENS,
+        max_memory_percent=scheduling.cb_max_memory_percent,
+        max_requests_per_batch=in_flight,
+        scheduler_type=scheduling.cb_scheduler,
+        auto_switch_to_flash=False,  # the hardware layer chooses the attention kernel, not the server
+        drop_unsupported_processors=False,  # a decoding option CB cannot honour must fail, not vanish
+        seed=seed,
+    )
+
+
+class ContinuousServer(Server):
+    """Continuous batching: requests join and leave the running batch at every decode step."""
+
+    def __init__(self, engine: Any, **kwargs: Any):
+        super().__init__(engine, **kwargs)
+        self._running: dict[str, Ticket] = {}  # manager request id (ticket key) -> ticket; worker thread only
+        self._to_cancel: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+    def _cancelled(self, ticket: Ticket) -> None:
+        self._forget(ticket)
+        self._to_cancel.put(ticket.key)  # the worker tells the manager (it owns the manager)
+
+    def _run(self) -> None:
+        from .engine import eos_ids
+        from .torch_knobs import runtime
+
+        engine = self.engine
+        eos = sorted(eos_ids(engine.model, engine.tokenizer))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(engine._lock)  # the model is the manager's until close()
+            stack.enter_context(runtime(self.plan, engine.machine))
+            manager = engine.model.init_continuous_batching(
+                generation_config=self._generation_config(eos),
+                continuous_batching_config=cb_config(self.plan.scheduling, in_flight=self.in_flight, budget=engine.budget(None), seed=self.seed),
+            )
+            manager.start()
+            stack.callback(manager.destroy)
+            stack.callback(manager.stop, block=True, timeout=30)
+            self._loop(manager, -1 if self.ignore_eos or not eos else eos)
+
+    def _loop(self, manager: Any, eos: Any) -> None:
+        while True:
+            self._expire()
+            while True:  # cancellations first: they free slots and cache blocks
+                try:
+                    key = self._to_cancel.get_nowait()
+                except queue.Empty:
+                    break
+                if self._running.pop(key, None) is not None:
+                    manager.cancel_request(key)
+            if self._closed.is_set() and not self._running:
+                return
+            while len(self._running) < self.in_flight and not self._closed.is_set():
+                try:
+                    ticket = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._admit(manager, ticket, eos)
+            out = manager.get_result(timeout=_POLL_S)
+            while out is not None:
+                self._route(out)
+                out = manager.get_result(timeout=0)
+            if not manager.is_running():
+                error = manager.background_thread_status.fatal_error
+                raise EngineError(f"the continuous batching loop stopped: {error}")
+
+    def _admit(self, manager: Any, ticket: Ticket, eos: Any) -> None:
+        if ticket.finished:
+            return
+        ids = self._encoded([ticket])["input_ids"][0].tolist()
+        if self.plan.model.context_cap is not None:
+            try:
+                self.engine.check_context(len(ids), ticket.max_new_tokens)
+            except RequestRejected as e:
+                self._end(ticket, "rejected", e)
+                return
+        if not ticket._start(len(ids)):
+            return
+        self._running[ticket.key] = ticket
+        manager.add_request(ids, request_id=ticket.key, max_new_tokens=ticket.max_new_tokens, streaming=True, record_timestamps=True, eos_token_id=eos)
+
+    def _route(self, out: Any) -> None:
+        ticket = self._running.get(out.request_id)
+        if ticket is None:  # cancelled or timed out while the step ran: its output is dropped
+            return
+        done = len(ticket.token_ids)
+        new = out.generated_tokens[done:]
+        times = (out.timestamps or [])[done:]
+        ticket._add(new, times if len(times) == len(new) else [out.lifespan[1]] * len(new))
+        if out.error is not None:
+            del self._running[out.request_id]
+            self._end(ticket, "error", EngineError(f"continuous batching failed request {ticket.request.id!r}: {out.error}"))
+        elif out.is_finished():
+            del self._running[out.request_id]
+            self._end(ticket, "done")
+
+    def _generation_config(self, eos: list[int]) -> Any:
+        from transformers import GenerationConfig
+
+        from .generate_kwargs import generate_kwargs
+
+        bad = cb_unsupported(self.plan)
+        if bad:
+            raise EngineError(f"continuous batching cannot honour the plan's {bad}; serve this plan with static or sequential batching")
+        kwargs = generate_kwargs(self.plan, self.engine.tokenizer, budget=self.engine.budget(None))
+        return GenerationConfig(**kwargs, eos_token_id=eos or None)

@@ -1,0 +1,130 @@
+"""The budget calculator against hand-computed configurations, its errors, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fractal_opt.errors import FractalOptError, ModelSourceError
+from fractal_opt.measure.budget import budget, load_config, shape_from_config
+
+SMOLLM2 = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
+# Llama-2-7B: multi-head attention (32 KV heads = 32 attention heads), untied head, no head_dim key.
+LLAMA2_7B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
+             "intermediate_size": 11008, "vocab_size": 32000, "tie_word_embeddings": False}
+# Llama-3-8B: grouped-query attention with 8 KV heads.
+LLAMA3_8B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False}
+
+
+def test_smollm2_by_hand():
+    """SmolLM2-135M: 134,515,008 parameters; KV = 2 x 30 layers x 3 KV heads x 64 x 2 bytes = 23,040 bytes/token in bf16."""
+    b = budget(SMOLLM2, context=2048, batch=1, dtype="bfloat16")
+    # embed 49152*576 + 30 * (q 576*576 + k,v 2*576*192 + o 576*576 + mlp 3*576*1536 + norms 2*576) + final norm 576
+    assert b.params == 49152 * 576 + 30 * (576 * 576 * 2 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576) + 576 == 134_515_008
+    assert b.kv_bytes_per_token == 23_040
+    assert b.kv_bytes == 23_040 * 2048
+    assert b.weight_bytes == 134_515_008 * 2
+    assert budget(SMOLLM2, dtype="float32").kv_bytes_per_token == 46_080
+
+
+def test_llama2_7b_by_hand():
+    """Llama-2-7B: 6,738,415,616 parameters, 0.5 MiB of fp16 KV per token, 4 sequences of 4k fit next to the weights in 24 GB."""
+    b = budget(LLAMA2_7B, context=4096, batch=1, dtype="float16", memory_gb=24, bandwidth_gbs=1000)
+    assert b.params == 6_738_415_616
+    assert b.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2 == 524_288  # head_dim = 4096 / 32
+    assert b.kv_bytes == 2 * 2**30
+    # (24e9 - 13,476,831,232 weight bytes) // 2 GiB per 4k sequence = 4
+    assert b.weight_bytes == 13_476_831_232 and b.sequences_that_fit == 4
+    # One decode step reads every weight but the untied input embedding (one row per token) + the 4k KV.
+    step_bytes = (6_738_415_616 - 32000 * 4096) * 2 + 2 * 2**30
+    assert b.decode_ceiling_tokens_per_s == pytest.approx(1e12 / step_bytes)
+    assert b.decode_ceiling_tokens_per_s == pytest.approx(65.095, rel=1e-4)
+
+
+def test_gqa_uses_kv_heads_not_attention_heads():
+    """Llama-3-8B (8 KV heads of 32): KV is 2 x 32 x 8 x 128 x 2 = 131,072 bytes/token, a quarter of what 32 heads would need."""
+    b = budget(LLAMA3_8B, context=8192, batch=4, dtype="bfloat16")
+    assert b.params == 8_030_261_248
+    assert b.kv_bytes_per_token == 131_072
+    assert b.kv_bytes == 131_072 * 8192 * 4
+    mha = budget({**LLAMA3_8B, "num_key_value_heads": 32}, dtype="bfloat16")
+    assert mha.kv_bytes_per_token == 4 * b.kv_bytes_per_token
+
+
+def test_quantized_weights_and_kv_bits():
+    """int8 linear layers halve the blocks' bf16 bytes but keep embeddings and norms in bf16; 8-bit KV halves the KV."""
+    full = budget(LLAMA2_7B, dtype="bfloat16")
+    q = budget(LLAMA2_7B, dtype="bfloat16", weights_bits=8, kv_bits=8)
+    block_linear = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    assert full.weight_bytes - q.weight_bytes == block_linear  # 2 bytes -> 1 byte per block weight
+    assert q.kv_bytes_per_token == full.kv_bytes_per_token // 2
+
+
+def test_batch_raises_aggregate_ceiling_but_not_per_sequence():
+    """A batch shares one weight read per step: aggregate decode ceiling grows, per-sequence falls as KV grows."""
+    one = budget(LLAMA3_8B, context=1024, batch=1, bandwidth_gbs=100)
+    many = budget(LLAMA3_8B, context=1024, batch=16, bandwidth_gbs=100)
+    assert many.decode_ceiling_tokens_per_s > 10 * one.decode_ceiling_tokens_per_s
+    assert many.decode_ceiling_per_sequence < one.decode_ceiling_per_sequence
+
+
+def test_mqa_and_missing_head_dim_defaults():
+    """multi_query configs have one KV head; head_dim falls back to hidden / heads; GPT-2 style MLPs have 2 matrices."""
+    shape = shape_from_config({"model_type": "gpt_bigcode", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 100, "multi_query": True})
+    assert shape.kv_heads == 1 and shape.head_dim == 16 and not shape.gated_mlp and shape.intermediate == 256
+
+
+def test_param_count_matches_a_real_model(tiny_dir):
+    """The config arithmetic counts exactly the parameters transformers builds (tiny model: GQA, tied embeddings)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    real = sum(p.numel() for p in model.parameters())  # tied weights are yielded once
+    assert budget(tiny_dir).params == real
+    assert budget(tiny_dir / "config.json").params == real
+
+
+def test_embedded_model_reads_gguf_metadata():
+    """The embedded name resolves to its GGUF header: SmolLM2's shape without loading or converting any weights."""
+    _, config = load_config("smollm2-135m-instruct")
+    shape = shape_from_config(config)
+    assert (shape.layers, shape.kv_heads, shape.head_dim, shape.tied_embeddings) == (30, 3, 64, True)
+    assert budget("smollm2-135m-instruct").params == 134_515_008  # the header is parsed once per file
+
+
+def test_errors_name_the_problem(tmp_path):
+    """Bad inputs fail with the value and what is allowed: unknown dtype (with the closest), bad numbers, configs without a shape."""
+    with pytest.raises(FractalOptError, match="bfloat16"):
+        budget(SMOLLM2, dtype="bfloat61")
+    with pytest.raises(FractalOptError, match="context must be an integer >= 1, got 0"):
+        budget(SMOLLM2, context=0)
+    with pytest.raises(FractalOptError, match="weights_bits must be one of"):
+        budget(SMOLLM2, weights_bits=7)
+    with pytest.raises(ModelSourceError, match="num_hidden_layers"):
+        budget({"model_type": "t5"})
+    with pytest.raises(ModelSourceError, match="smollm2-135m-instruct"):
+        budget("smollm2-135m")
+
+
+def test_offline_hub_id_fails_fast_with_a_clear_message(monkeypatch):
+    """A hub id that is not cached fails with 'offline' and what to pass instead (HF_HUB_OFFLINE set, no network touched)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelSourceError, match="offline.*local model folder"):
+        budget("some-org/not-a-cached-model")
+
+
+def test_cli_budget_json(tmp_path, capsys):
+    """`fractal-opt budget CONFIG --json` prints the same numbers as the Python function."""
+    from fractal_opt.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA2_7B))
+    assert main(["budget", str(path), "--context", "4096", "--dtype", "float16", "--memory-gb", "24", "--bandwidth-gbs", "1000", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"] == 6_738_415_616 and data["sequences_that_fit"] == 4 and data["shape"]["kv_heads"] == 32
+    assert main(["budget", str(path), "--batch", "2"]) == 0
+    assert "KV cache" in capsys.readouterr().out
+    assert main(["budget", str(path), "--dtype", "fp9"]) == 2

@@ -1,0 +1,199 @@
+"""Engine: model reuse, global-state hygiene, and serving paths that must agree token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from fractal_opt.layers.model import Quantize
+from fractal_opt.plan import Plan
+from fractal_opt.runtimes import Engine
+from fractal_opt.runtimes.transformers.torch_knobs import runtime
+from fractal_opt.workload import Workload
+
+NEW = 10  # new tokens per request: enough for paths to diverge if they are not equivalent
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def requests():
+    """Two short and one long prompt from the default suite (the long one has ~1000 prompt tokens)."""
+    reqs = Workload().requests()
+    return [reqs[0], reqs[1], reqs[3]]
+
+
+@pytest.fixture(scope="module")
+def lively_plan(lively_dir) -> Plan:
+    return Plan(source=str(lively_dir))
+
+
+@pytest.fixture(scope="module")
+def sequential(lively_plan, requests):
+    """Greedy outputs of the baseline plan, served one request at a time."""
+    engine = Engine.build(lively_plan, progress=_quiet)
+    return engine.serve(requests, max_new_tokens=NEW)
+
+
+def test_reference_outputs_are_not_degenerate(sequential):
+    """The reference outputs vary (so the equivalence tests below compare real sequences)."""
+    assert all(len(g.token_ids) == NEW for g in sequential)
+    assert all(len(set(g.token_ids)) > 3 for g in sequential)
+    assert len({tuple(g.token_ids) for g in sequential}) == len(sequential)
+
+
+def test_build_reuses_model_when_only_decoding_or_scheduling_changes(tiny_dir):
+    """A plan differing only in decoding, token cap or batching shares the loaded model; a dtype change reloads."""
+    base = Plan(source=str(tiny_dir))
+    first = Engine.build(base, progress=_quiet)
+    for plan in (
+        base.replace_section("application", max_new_tokens=4, do_sample=True, temperature=0.5),
+        base.replace_section("scheduling", batching="static", batch_size=4),
+        base.replace_section("model", kv_cache="static"),
+    ):
+        again = Engine.build(plan, progress=_quiet)
+        assert again.model is first.model, f"model reloaded for {plan}"
+        assert again.load_s == 0.0
+        assert again.plan == plan
+    half = Engine.build(base.replace_section("hardware", dtype="bfloat16"), progress=_quiet)
+    assert half.model is not first.model
+    assert str(half.model.dtype) == "torch.bfloat16"
+
+
+def test_runtime_restores_thread_count(tiny_dir):
+    """runtime() sets the plan's thread count inside the block and restores torch's count after, even on error."""
+    import torch
+
+    before = torch.get_num_threads()
+    plan = Plan(source=str(tiny_dir)).replace_section("hardware", threads=before + 1)
+    with runtime(plan):
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError, match="boom"):
+        with runtime(plan):
+            raise RuntimeError("boom")
+    assert torch.get_num_threads() == before
+
+
+def test_runtime_attends_grouped_heads_natively_on_cpu(tiny_dir, monkeypatch):
+    """On CPU with sdpa, a masked (left-padded) batch reaches SDPA with its grouped K/V heads
+    (enable_gqa, no repeat_kv copy) inside runtime(), gives the same logits as without, and the
+    switch is restored afterwards; eager attention and other devices leave it alone."""
+    import os
+
+    import torch
+
+    from fractal_opt.runtimes.transformers.torch_knobs import native_gqa_applies
+
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    plan = Plan(source=str(tiny_dir))
+    assert native_gqa_applies(plan)
+    assert not native_gqa_applies(plan.replace_section("hardware", attention="eager"))
+    assert not native_gqa_applies(plan.replace_section("hardware", device="cuda"))
+    engine = Engine.build(plan, progress=_quiet)
+    batch = engine.tokenizer(["a short one", "a rather longer prompt than that"], return_tensors="pt", padding=True, padding_side="left")
+    seen: list[tuple[int, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, *args, **kwargs):
+        seen.append((key.shape[1], bool(kwargs.get("enable_gqa"))))
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.inference_mode():
+        repeated = engine.model(**batch).logits
+        assert seen and all(heads == 4 and not gqa for heads, gqa in seen)  # repeat_kv: 2 KV heads copied to 4
+        seen.clear()
+        with runtime(plan):
+            assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "1"
+            native = engine.model(**batch).logits
+        assert seen and all(heads == 2 and gqa for heads, gqa in seen)
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+    torch.testing.assert_close(native, repeated)
+
+
+def test_serving_does_not_leak_thread_count(tiny_dir):
+    """Serving with a plan that pins threads leaves torch's thread count as it was."""
+    import torch
+
+    before = torch.get_num_threads()
+    engine = Engine.build(Plan(source=str(tiny_dir)).replace_section("hardware", threads=before + 1), progress=_quiet)
+    engine.generate("Hi", max_new_tokens=2)
+    assert torch.get_num_threads() == before
+
+
+def test_generate_returns_text(lively_plan):
+    """generate() returns the answer as a non-empty str."""
+    text = Engine.build(lively_plan, progress=_quiet).generate("What is the capital of France?", max_new_tokens=NEW)
+    assert isinstance(text, str) and text
+
+
+def test_stream_joins_to_generate(lively_plan):
+    """For greedy decoding, the streamed pieces join to exactly the text generate() returns."""
+    engine = Engine.build(lively_plan, progress=_quiet)
+    prompt = [{"role": "user", "content": "Tell me about lighthouses."}]
+    pieces = list(engine.stream(prompt, max_new_tokens=NEW))
+    assert len(pieces) > 1, "stream() yielded everything at once"
+    assert "".join(pieces) == engine.generate(prompt, max_new_tokens=NEW)
+
+
+def test_static_batching_matches_sequential(lively_plan, requests, sequential):
+    """A left-padded batch of short and long prompts returns the same greedy tokens as serving them one by one."""
+    engine = Engine.build(lively_plan.replace_section("scheduling", batching="static", batch_size=len(requests)), progress=_quiet)
+    batched = engine.serve(requests, max_new_tokens=NEW)
+    assert [g.request_id for g in batched] == [r.id for r in requests]
+    for seq, bat in zip(sequential, batched):
+        assert bat.token_ids == seq.token_ids, f"{seq.request_id}: batched output differs"
+        assert bat.prompt_tokens == seq.prompt_tokens, "padding counted as prompt tokens"
+
+
+@pytest.mark.parametrize("kv_cache", ["off", "static"])
+def test_kv_cache_variants_match_dynamic(lively_plan, requests, sequential, kv_cache):
+    """Greedy tokens are the same with the KV cache off or static as with the default dynamic cache."""
+    engine = Engine.build(lively_plan.replace_section("model", kv_cache=kv_cache), progress=_quiet)
+    reqs = requests[:2] if kv_cache == "off" else requests  # no-cache on the 1000-token prompt is slow by design
+    for seq, other in zip(sequential, engine.serve(reqs, max_new_tokens=NEW)):
+        assert other.token_ids == seq.token_ids, f"{seq.request_id}: kv_cache={kv_cache} output differs"
+
+
+def test_max_new_tokens_cap(lively_plan, requests):
+    """The plan's max_new_tokens caps a larger request budget, and the capped generations say hit_cap."""
+    engine = Engine.build(lively_plan.replace_section("application", max_new_tokens=3), progress=_quiet)
+    gens = engine.serve(requests[:2], max_new_tokens=NEW)
+    assert [g.new_tokens for g in gens] == [3, 3]
+    assert all(g.hit_cap for g in gens)
+    assert all(len(g.token_times) == 3 for g in gens)
+    assert engine.budget(2) == 2, "a smaller caller budget still wins"
+
+
+def test_end_of_sequence_stops_without_hit_cap(lively_plan, requests, sequential, monkeypatch):
+    """A generation that ends at an end-of-sequence token counts that token, is not hit_cap, and leaves it out of the text."""
+    engine = Engine.build(lively_plan, progress=_quiet)
+    stop = sequential[0].token_ids[2]  # pretend the third token the model emits ends the sequence
+    config = engine.model.generation_config
+    monkeypatch.setattr(config, "eos_token_id", [engine.tokenizer.eos_token_id, stop])
+    (gen,) = engine.serve(requests[:1], max_new_tokens=NEW)
+    n = sequential[0].token_ids.index(stop) + 1  # generation stops at the first occurrence
+    assert gen.token_ids == sequential[0].token_ids[:n]
+    assert not gen.hit_cap
+    assert gen.text == engine.tokenizer.decode(gen.token_ids[:-1], skip_special_tokens=True)
+
+
+def test_quantized_build_reports_census(tiny_dir):
+    """A torchao int8 build holds quantized weights in every linear layer except the skipped lm_head."""
+    pytest.importorskip("torchao")
+    import torch
+
+    plan = Quantize().apply(Plan(source=str(tiny_dir)))
+    assert plan.model.quant_backend == "torchao"
+    engine = Engine.build(plan, progress=_quiet)
+    census = engine.census()
+    assert census["quantized_linear_layers"] > 0
+    assert census["quantized_linear_layers"] == census["linear_layers"] - 1, "only lm_head stays in float"
+    head = engine.model.lm_head.weight
+    assert type(head) is torch.nn.Parameter and head.dtype == torch.float32, "lm_head was quantized despite skip"
+    plain = Engine.build(Plan(source=str(tiny_dir)), progress=_quiet).census()
+    assert plain["quantized_linear_layers"] == 0
+    assert census["weight_bytes"] < plain["weight_bytes"]
+    assert isinstance(engine.generate("Hi", max_new_tokens=2), str)
