@@ -8,13 +8,14 @@ they do not have.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import os
 import platform
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["OPTIONAL_PACKAGES", "Machine"]
+__all__ = ["OPTIONAL_PACKAGES", "Machine", "resolve_device"]
 
 # Packages whose presence decides whether a pass can run (kernels, quantization backends).
 OPTIONAL_PACKAGES = ("torch", "transformers", "accelerate", "bitsandbytes", "torchao", "optimum-quanto", "hqq", "flash-attn", "nvidia-ml-py")
@@ -98,6 +99,23 @@ class Machine:
             torch_threads=torch.get_num_threads(),
             packages=packages,
         )
+
+
+def resolve_device(device: str, machine: Machine | None = None) -> str:
+    """What ``device`` means on ``machine`` (this machine when None): ``auto`` becomes cuda, then
+    mps, then cpu; other names are returned unchanged. The one device resolver of the house."""
+    if device != "auto":
+        return device
+    m = machine or _this_machine()
+    if m.has_cuda:
+        return "cuda"
+    return "mps" if m.mps else "cpu"
+
+
+@functools.lru_cache(maxsize=1)
+def _this_machine() -> Machine:
+    # Probed once per process: resolve_device runs on every generate call (the torch knobs).
+    return Machine.probe()
 
 
 def _cpuinfo_field(key: str) -> str:

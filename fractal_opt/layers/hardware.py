@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import RecipeError
-from ..machine import Machine
+from ..machine import Machine, resolve_device
 from ..passes import Layer, Pass, register
 from ..plan import Plan
 
-__all__ = ["Attention", "Compile", "Device", "Dtype", "MatmulPrecision", "Prepack", "Threads", "target_device"]
+__all__ = ["Attention", "Compile", "Device", "Dtype", "MatmulPrecision", "Prepack", "Threads"]
 
 
 @register
@@ -125,15 +125,6 @@ _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 _SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$", re.IGNORECASE)
 
 
-def target_device(device: str, machine: Machine) -> str:
-    """What ``device`` means on ``machine``: ``auto`` becomes cuda, then mps, then cpu."""
-    if device != "auto":
-        return device
-    if machine.has_cuda:
-        return "cuda"
-    return "mps" if machine.mps else "cpu"
-
-
 def _device_missing(device: str, machine: Machine) -> str | None:
     if device.startswith("cuda"):
         if not machine.has_cuda:
@@ -188,7 +179,7 @@ class Device(Pass):
         return tuple(self.max_memory)
 
     def check(self, plan: Plan, machine: Machine) -> str | None:
-        target = target_device(self.device, machine)
+        target = resolve_device(self.device, machine)
         if (why := _device_missing(target, machine)) is not None:
             return why
         if self.device_map is not None:
@@ -200,13 +191,13 @@ class Device(Pass):
                     "layer on the CPU: nothing to gain. Set offload_folder (and max_memory) to run a model larger than RAM from disk"
                 )
         hw = plan.hardware
-        now = (target_device(hw.device, machine), hw.device_map, hw.max_memory, hw.offload_folder)
+        now = (resolve_device(hw.device, machine), hw.device_map, hw.max_memory, hw.offload_folder)
         if now == (target, self.device_map, self.memory_spec(), self.offload_folder):
             return f"the plan already places the model on {target}" + (f" with device_map={self.device_map}" if self.device_map else "")
         return None
 
     def unavailable(self, machine: Machine) -> str | None:
-        return _device_missing(target_device(self.device, machine), machine)
+        return _device_missing(resolve_device(self.device, machine), machine)
 
     def apply(self, plan: Plan) -> Plan:
         # "auto" stays symbolic (like threads: auto) so a recipe moves between machines; the
@@ -238,7 +229,7 @@ class MatmulPrecision(Pass):
             return f"the plan already uses matmul precision {self.precision!r}"
         if hw.dtype != "float32":
             return f"matmul precision changes float32 matmuls only; the plan runs in {hw.dtype}"
-        device = target_device(hw.device, machine)
+        device = resolve_device(hw.device, machine)
         if device.startswith("cuda"):
             if machine.has_cuda and not machine.cuda_bf16:
                 return "TF32 needs a GPU of compute capability >= 8.0 (Ampere or newer); this one has none"
@@ -278,7 +269,7 @@ class Compile(Pass):
         hw, mp = plan.hardware, plan.model
         if hw.compile == self.mode:
             return f"the plan already compiles the decode step with mode {self.mode!r}"
-        device = target_device(hw.device, machine)
+        device = resolve_device(hw.device, machine)
         if self.mode == "reduce-overhead" and not device.startswith("cuda"):
             return "mode 'reduce-overhead' captures CUDA graphs and needs a CUDA device; on this plan's device use mode 'default'"
         if mp.kv_cache in ("quantized", "offloaded", "off"):
@@ -330,7 +321,7 @@ class Prepack(Pass):
         hw, mp = plan.hardware, plan.model
         if set(self.modules) <= set(hw.prepack):
             return f"the plan already prepacks {list(self.modules)}"
-        if target_device(hw.device, machine) != "cpu" or hw.device_map is not None:
+        if resolve_device(hw.device, machine) != "cpu" or hw.device_map is not None:
             return f"oneDNN prepacking is for CPU inference; the plan runs on {hw.device_map or hw.device}"
         if hw.dtype != "float32":
             return f"prepacking is measured for float32 weights; the plan runs in {hw.dtype}"

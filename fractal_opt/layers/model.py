@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import RecipeError
-from ..machine import Machine
+from ..machine import Machine, resolve_device
 from ..passes import Layer, Pass, register
 from ..plan import Plan
 from ..quant_select import check_skip
-from .hardware import target_device
 
 __all__ = ["BACKEND_PACKAGES", "METHODS", "ContextCap", "KVCache", "Quantize"]
 
@@ -109,7 +108,7 @@ class Quantize(Pass):
         package = BACKEND_PACKAGES[backend]
         if not machine.has_package(package):
             return f"backend {backend!r} needs the {package} package (pip install {package})"
-        device = target_device(plan.hardware.device, machine)
+        device = resolve_device(plan.hardware.device, machine)
         if device == "mps" and backend != "quanto":
             return f"backend {backend!r} has no MPS kernels; use backend quanto"
         if self.group_size is not None and (backend, self.bits) != ("torchao", 4):
@@ -182,7 +181,7 @@ class KVCache(Pass):
             package = BACKEND_PACKAGES[self.backend]
             if not machine.has_package(package):
                 return f"the quantized KV cache with backend {self.backend!r} needs the {package} package (pip install {package})"
-        if self.implementation == "offloaded" and not target_device(plan.hardware.device, machine).startswith("cuda"):
+        if self.implementation == "offloaded" and not resolve_device(plan.hardware.device, machine).startswith("cuda"):
             return "the offloaded KV cache moves layers' keys/values from GPU memory to CPU RAM; this plan already runs on the CPU (GPU-only option)"
         if plan.hardware.compile is not None and self.implementation not in ("static", "dynamic"):
             return f"the plan compiles the decode step, which needs a static KV cache; a {self.implementation} cache would disable compilation"

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import EngineError
 from ..layers.scheduling import expand_ramps
-from ..machine import Machine
+from ..machine import Machine, resolve_device
 from ..measure.machine_limits import probe_limits
 from ..measure.runner import Measurement
 from ..passes import Layer
@@ -27,7 +27,6 @@ from ..quality.evals import load_eval_set, score
 from ..quality.probes import agreement, agreement_between, build_reference, model_probes
 from ..recipe import Recipe, dump_recipe, load_recipe
 from ..runtimes import Engine
-from ..runtimes.transformers.loading import resolve_device
 from .step_measurement import StepMeasurer
 from .trace import Step, Trace
 
@@ -106,7 +105,7 @@ class Pipeline:
         # --- baseline, measured twice (A/A) to calibrate the noise of this machine and workload
         plan = recipe.base_plan()
         say("probing the machine's bandwidth and matmul ceilings (cached per machine)")
-        limits = probe_limits(resolve_device(plan.hardware.device), machine=machine)
+        limits = probe_limits(resolve_device(plan.hardware.device, machine), machine=machine)
         trace.machine["limits"] = limits.to_dict()
         steps = StepMeasurer(machine=machine, workload=recipe.workload, requests=requests, min_effect=recipe.policy.min_effect, limits=limits, progress=say)
         refused, _ = steps.preflight(plan)

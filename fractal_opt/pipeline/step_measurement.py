@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..machine import Machine
+from ..machine import Machine, resolve_device
 from ..measure.budget import load_config, shape_from_config
 from ..measure.noise import band
 from ..measure.roofline import ModelShape, dtype_bits, kv_bytes_per_token, step_roofline, weight_bytes
@@ -99,7 +99,7 @@ class StepMeasurer:
         if shape is None:
             return None, {"status": "no config: pre-flight skipped"}
         prompt = self.prompt_tokens or max(sum(len(c) for _, c in r.messages) for r in self.requests) // _CHARS_PER_TOKEN
-        device = plan.hardware.device if plan.hardware.device != "auto" else ("cuda" if self.machine.has_cuda else "cpu")
+        device = resolve_device(plan.hardware.device, self.machine)
         return preflight(plan, shape, context=prompt + self.workload.max_new_tokens, n_requests=len(self.requests),
                          capacity_bytes=self.machine.device_memory_bytes(device))
 

@@ -7,8 +7,9 @@ import os
 import pytest
 
 from fractal_opt.errors import RecipeError
-from fractal_opt.layers.hardware import Compile, Device, MatmulPrecision, Prepack, target_device
+from fractal_opt.layers.hardware import Compile, Device, MatmulPrecision, Prepack
 from fractal_opt.layers.model import ContextCap, KVCache
+from fractal_opt.machine import resolve_device
 from fractal_opt.plan import HardwarePlan, ModelPlan, Plan
 from fractal_opt.runtimes import Engine
 from fractal_opt.runtimes.transformers.generate_kwargs import generate_kwargs
@@ -47,8 +48,8 @@ def test_device_cuda_index_beyond_the_gpus_refused():
 
 def test_device_auto_resolves_per_machine(machine):
     """auto means cuda where there is a GPU and cpu otherwise; the plan keeps 'auto' so a recipe travels."""
-    assert target_device("auto", machine) == "cpu"
-    assert target_device("auto", CUDA) == "cuda"
+    assert resolve_device("auto", machine) == "cpu"
+    assert resolve_device("auto", CUDA) == "cuda"
     assert Device(device="auto").apply(PLAN).hardware.device == "auto"
 
 

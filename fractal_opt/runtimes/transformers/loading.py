@@ -14,23 +14,11 @@ from typing import Any
 
 from ... import models
 from ...errors import EngineError
+from ...machine import resolve_device
 from ...plan import Plan
 from ...quant_select import block_index, expand, skipped
 
-__all__ = ["census", "kv_census", "load", "resolve_device"]
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> cuda, then mps, then cpu (what this machine has); other names unchanged."""
-    if device != "auto":
-        return device
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda"
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
+__all__ = ["census", "kv_census", "load"]
 
 
 def _max_memory(spec: tuple[str, ...]) -> dict[int | str, str]:

@@ -8,9 +8,8 @@ import os
 import threading
 from collections.abc import Iterator
 
-from ...machine import Machine
+from ...machine import Machine, resolve_device
 from ...plan import Plan
-from .loading import resolve_device
 
 __all__ = ["native_gqa_applies", "no_grad", "runtime"]
 
