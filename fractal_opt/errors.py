@@ -5,10 +5,8 @@ Every error is a :class:`FractalOptError`, so an app can catch them all in one p
     FractalOptError
     ├── RecipeError          bad recipe / pass / plan input, raised before any model is loaded
     ├── ModelSourceError     the model cannot be found or installed (says how to get it)
-    ├── PassNotApplicable    a pass's ``check`` refused it on this machine (the pipeline skips it)
-    ├── EngineError          building or serving a plan failed
-    │   └── RequestRejected  the engine refused a request (over the context cap, queue full)
-    └── ResumeError          a journal in the output folder belongs to another recipe
+    └── EngineError          building or serving a plan failed
+        └── RequestRejected  the engine refused a request (over the context cap, queue full)
 """
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ __all__ = [
     "EngineError",
     "FractalOptError",
     "ModelSourceError",
-    "PassNotApplicable",
     "RecipeError",
     "RequestRejected",
-    "ResumeError",
     "closest",
 ]
 
@@ -40,20 +36,12 @@ class ModelSourceError(FractalOptError):
     """A model source cannot be resolved (not installed, not found)."""
 
 
-class PassNotApplicable(FractalOptError):
-    """A pass's ``check`` refused it on this machine."""
-
-
 class EngineError(FractalOptError, RuntimeError):
     """Building or serving a plan failed."""
 
 
 class RequestRejected(EngineError):
     """The engine refused a request (for example a prompt over the context cap)."""
-
-
-class ResumeError(FractalOptError):
-    """The output folder holds a journal of a different recipe."""
 
 
 def closest(name: str, valid: Iterable[str]) -> str:

@@ -192,8 +192,16 @@ class Policy:
             return Verdict(kept=False, reason=f"{obj_text}; " + "; ".join(trips), changes=clean, bands=bands, outcome="guard")
         if better <= band:
             verb = "no change beyond noise" if better >= -band else "worse"
-            return Verdict(kept=False, reason=f"{verb}: {obj_text}", changes=clean, bands=bands, outcome="no_change" if better >= -band else "worse")
-        return Verdict(kept=True, reason=f"{obj_text}; no guard tripped", changes=clean, bands=bands, outcome="kept")
+            # The other side of a trade: watched numbers that did improve beyond noise.
+            gains = [f"{m} {_move(m, before, after, c)}" for m in WATCH[layer] if m != objective and (c := changes.get(m)) is not None
+                     and (c if ALL_METRICS.get(m, True) else -c) > bands.get(m, self.min_effect)]
+            but = f"; better, but not the objective: {', '.join(gains)}" if gains else ""
+            return Verdict(kept=False, reason=f"{verb}: {obj_text}{but}", changes=clean, bands=bands, outcome="no_change" if better >= -band else "worse")
+        # The price of a kept trade: watched numbers that got worse beyond noise without a guard tripping.
+        costs = [f"{m} {_move(m, before, after, c)}" for m in WATCH[layer] if m != objective and (c := changes.get(m)) is not None
+                 and -(c if ALL_METRICS.get(m, True) else -c) > bands.get(m, self.min_effect)]
+        cost = f"; at a cost no guard forbids: {', '.join(costs)}" if costs else ""
+        return Verdict(kept=True, reason=f"{obj_text}; no guard tripped{cost}", changes=clean, bands=bands, outcome="kept")
 
 
 def _fmt(v: float | None) -> str:

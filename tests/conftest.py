@@ -26,6 +26,16 @@ TINY_LAYERS = 4
 LIVELY_SCALE = 4.0
 
 
+def quiet(message: str) -> None:
+    """A progress callback that prints nothing (engines and pipelines take one)."""
+
+
+class PadTokenizer:
+    """The one tokenizer attribute generate_kwargs reads (the pad id), for plan-only tests."""
+
+    pad_token_id = 0
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _single_thread_torch():
     """Run torch on one intra-op thread for the whole session (see the module docstring)."""

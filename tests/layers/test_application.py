@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
+from conftest import quiet
 
 from fractal_opt.errors import EngineError, RecipeError
 from fractal_opt.layers.application import AssistedDecoding, Decoding, MaxNewTokens, PromptBudget, PromptLookup, ResponseCache
@@ -22,9 +23,6 @@ NEW = 12
 PASSES = (MaxNewTokens, Decoding, PromptBudget, ResponseCache, PromptLookup, AssistedDecoding)
 
 
-def _quiet(message: str) -> None:
-    pass
-
 
 @pytest.fixture(scope="module")
 def requests():
@@ -36,11 +34,11 @@ def requests():
 @pytest.fixture(scope="module")
 def greedy(lively_dir, requests):
     """Greedy outputs of the plain plan on the lively tiny model."""
-    return Engine.build(Plan(source=str(lively_dir)), progress=_quiet).serve(requests, max_new_tokens=NEW)
+    return Engine.build(Plan(source=str(lively_dir)), progress=quiet).serve(requests, max_new_tokens=NEW)
 
 
 def build(model_dir, **app) -> Engine:
-    return Engine.build(Plan(source=str(model_dir), application=ApplicationPlan(**app)), progress=_quiet)
+    return Engine.build(Plan(source=str(model_dir), application=ApplicationPlan(**app)), progress=quiet)
 
 
 # --------------------------------------------------------------------------- the passes as plan arithmetic

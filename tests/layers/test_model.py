@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import PadTokenizer, quiet
 
 from fractal_opt.errors import EngineError, RecipeError, RequestRejected
 from fractal_opt.layers.model import ContextCap, KVCache, Quantize
@@ -17,12 +18,6 @@ WITH_QUANTO = cpu_machine(packages={**cpu_machine().packages, "optimum-quanto": 
 LINEARS = [f"model.layers.{i}.{part}" for i in range(4) for part in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj")] + ["lm_head"]
 
 
-def _quiet(message: str) -> None:
-    pass
-
-
-class _Tok:
-    pad_token_id = 0
 
 
 # --------------------------------------------------------------------------- skip syntax
@@ -132,12 +127,12 @@ def test_every_family_quantizes_and_the_census_says_so(tiny_dir, params, backend
     pytest.importorskip(package)
     plan = Quantize(**params).apply(Plan(source=str(tiny_dir)))
     assert (plan.model.quant_backend, plan.model.quant_method) == (backend, method)
-    engine = Engine.build(plan, progress=_quiet)
+    engine = Engine.build(plan, progress=quiet)
     census = engine.census()
     assert census["quantized_linear_layers"] == census["linear_layers"] - 1
     assert census["quantization"]["skipped_modules"] == ["lm_head"]
     assert (census["quantization"]["backend"], census["quantization"]["method"]) == (backend, method)
-    plain = Engine.build(Plan(source=str(tiny_dir)), progress=_quiet).census()
+    plain = Engine.build(Plan(source=str(tiny_dir)), progress=quiet).census()
     assert census["weight_bytes"] < plain["weight_bytes"]
     assert isinstance(engine.generate("Hi", max_new_tokens=2), str)
 
@@ -148,7 +143,7 @@ def test_quantization_that_applies_to_nothing_fails_the_build(tiny_dir, backend)
     pytest.importorskip({"torchao": "torchao", "bitsandbytes": "bitsandbytes", "quanto": "optimum.quanto"}[backend])
     plan = Quantize(backend=backend, skip=("*",)).apply(Plan(source=str(tiny_dir)))
     with pytest.raises(EngineError, match="did not apply"):
-        Engine.build(plan, progress=_quiet)
+        Engine.build(plan, progress=quiet)
 
 
 @pytest.mark.parametrize("backend", ["torchao", "bitsandbytes"])
@@ -157,7 +152,7 @@ def test_mixed_precision_keeps_attention_and_first_block(tiny_dir, backend):
     import torch
 
     plan = Quantize(backend=backend, skip=("lm_head", "*.self_attn.*", "first:1")).apply(Plan(source=str(tiny_dir)))
-    engine = Engine.build(plan, progress=_quiet)
+    engine = Engine.build(plan, progress=quiet)
     layers = engine.model.model.layers
     assert type(layers[0].mlp.up_proj.weight.data) is torch.Tensor and layers[0].mlp.up_proj.weight.dtype == torch.float32
     assert layers[2].self_attn.q_proj.weight.dtype == torch.float32
@@ -169,7 +164,7 @@ def test_sensitivity_keeps_the_most_sensitive_blocks(tiny_dir):
     import torch
 
     plan = Quantize(bits=4, sensitivity=True, max_kl=1e-3).apply(Plan(source=str(tiny_dir)))
-    engine = Engine.build(plan, progress=_quiet)
+    engine = Engine.build(plan, progress=quiet)
     report = engine.census()["quantization"]["sensitivity"]
     assert sorted(report["block_kl"]) == [0, 1, 2, 3]
     kept = report["kept_blocks"]
@@ -178,7 +173,7 @@ def test_sensitivity_keeps_the_most_sensitive_blocks(tiny_dir):
     assert sorted(worst) == kept, "kept blocks are not the most sensitive ones"
     for i in kept:
         assert type(engine.model.model.layers[i].mlp.up_proj.weight.data) is torch.Tensor
-    loose = Engine.build(Quantize(bits=4, sensitivity=True, max_kl=10.0).apply(Plan(source=str(tiny_dir))), progress=_quiet)
+    loose = Engine.build(Quantize(bits=4, sensitivity=True, max_kl=10.0).apply(Plan(source=str(tiny_dir))), progress=quiet)
     assert loose.census()["quantization"]["sensitivity"]["kept_blocks"] == []
 
 
@@ -186,7 +181,7 @@ def test_sensitivity_that_can_keep_nothing_quantized_fails_clearly(tiny_dir):
     """A KL target no single block meets fails the build, naming the least sensitive block's KL."""
     plan = Quantize(bits=4, sensitivity=True, max_kl=1e-12).apply(Plan(source=str(tiny_dir)))
     with pytest.raises(EngineError, match="least sensitive"):
-        Engine.build(plan, progress=_quiet)
+        Engine.build(plan, progress=quiet)
 
 
 # --------------------------------------------------------------------------- KV cache
@@ -219,16 +214,16 @@ def test_offloaded_kv_cache_is_gpu_only(machine):
 )
 def test_kv_cache_generate_arguments(kv, expected):
     """Each KV cache maps to transformers' generate arguments."""
-    kwargs = generate_kwargs(kv.apply(PLAN), _Tok(), budget=4)
+    kwargs = generate_kwargs(kv.apply(PLAN), PadTokenizer(), budget=4)
     assert {k: kwargs[k] for k in expected} == expected
 
 
 def test_kv_census_arithmetic(tiny_dir):
     """The census reports KV bytes per 1k tokens from the config (2 x 4 layers x 2 kv heads x 64 dims x 4 bytes) and what a 4-bit cache saves."""
-    plain = Engine.build(Plan(source=str(tiny_dir)), progress=_quiet).census()
+    plain = Engine.build(Plan(source=str(tiny_dir)), progress=quiet).census()
     assert plain["kv_bytes_per_1k_tokens"] == 2 * 4 * 2 * 64 * 4 * 1000 and plain["kv_bytes_saved_per_1k_tokens"] == 0
     plan = KVCache(implementation="quantized", bits=4).apply(Plan(source=str(tiny_dir)))
-    q = Engine.build(plan, progress=_quiet).census()
+    q = Engine.build(plan, progress=quiet).census()
     # 4 bits = 0.5 byte per value, plus a float32 scale and zero-point per 64 values (0.125 byte)
     assert q["kv_bytes_per_1k_tokens"] == 2 * 4 * 2 * 64 * 1000 * 5 // 8
     assert q["kv_bytes_saved_per_1k_tokens"] == plain["kv_bytes_per_1k_tokens"] - q["kv_bytes_per_1k_tokens"]
@@ -239,7 +234,7 @@ def test_quantized_kv_cache_generates(lively_dir, backend, bits):
     """A quantized KV cache (quanto 4-bit, hqq 8-bit) serves requests end to end and returns the full budget."""
     pytest.importorskip({"quanto": "optimum.quanto", "hqq": "hqq"}[backend])
     plan = KVCache(implementation="quantized", backend=backend, bits=bits).apply(Plan(source=str(lively_dir)))
-    engine = Engine.build(plan, progress=_quiet)
+    engine = Engine.build(plan, progress=quiet)
     from fractal_opt.workload import Workload
 
     (gen,) = engine.serve(Workload().requests()[:1], max_new_tokens=5)
@@ -251,7 +246,7 @@ def test_quantized_kv_cache_generates(lively_dir, backend, bits):
 
 def test_context_cap_rejects_requests_over_it(lively_dir):
     """A request whose prompt plus budget exceeds the cap raises RequestRejected naming both numbers; one under it is served."""
-    engine = Engine.build(ContextCap(tokens=40).apply(Plan(source=str(lively_dir))), progress=_quiet)
+    engine = Engine.build(ContextCap(tokens=40).apply(Plan(source=str(lively_dir))), progress=quiet)
     prompt = "Tell me about bridges and rivers and the towns that grew around them, in detail."
     with pytest.raises(RequestRejected, match="context cap of 40") as info:
         engine.generate(prompt, max_new_tokens=16)
@@ -264,8 +259,8 @@ def test_context_cap_rejects_requests_over_it(lively_dir):
 def test_context_cap_sizes_the_static_cache(tiny_dir):
     """With a static cache, the cap becomes the cache length, and the census reports the bytes reserved at the cap."""
     plan = ContextCap(tokens=256).apply(KVCache(implementation="static").apply(Plan(source=str(tiny_dir))))
-    assert generate_kwargs(plan, _Tok(), budget=8)["max_cache_len"] == 256
-    census = Engine.build(plan, progress=_quiet).census()
+    assert generate_kwargs(plan, PadTokenizer(), budget=8)["max_cache_len"] == 256
+    census = Engine.build(plan, progress=quiet).census()
     assert census["kv_bytes_at_cap"] == census["kv_bytes_per_1k_tokens"] * 256 // 1000
 
 

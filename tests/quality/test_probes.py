@@ -6,6 +6,7 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
+from conftest import quiet
 
 from fractal_opt.passes import Layer
 from fractal_opt.plan import Plan
@@ -15,9 +16,6 @@ from fractal_opt.runtimes import Engine
 
 BROKEN_WEIGHT = "model.layers.0.mlp.down_proj.weight"
 
-
-def _quiet(message: str) -> None:
-    pass
 
 
 def _ref(outputs: dict[str, list[int]]):
@@ -60,7 +58,7 @@ def test_agreement_longer_candidate_is_not_identical():
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
     """The tiny model's baseline distributions on 128 tokens of the reference text."""
-    engine = Engine.build(Plan(source=str(tiny_dir)), progress=_quiet)
+    engine = Engine.build(Plan(source=str(tiny_dir)), progress=quiet)
     return build_reference(engine, {}, QualityConfig(reference_tokens=128))
 
 
@@ -71,7 +69,7 @@ def test_reference_scores_requested_tokens(reference):
 
 def test_same_engine_matches_its_reference(tiny_dir, reference):
     """The baseline engine scored against its own reference has KL ~0, no flips and perplexity ratio ~1."""
-    engine = Engine.build(Plan(source=str(tiny_dir)), progress=_quiet)
+    engine = Engine.build(Plan(source=str(tiny_dir)), progress=quiet)
     probes = model_probes(reference, engine)
     assert probes["kl_mean"] == pytest.approx(0.0, abs=1e-5)
     assert probes["kl_max"] == pytest.approx(0.0, abs=1e-4)
@@ -81,7 +79,7 @@ def test_same_engine_matches_its_reference(tiny_dir, reference):
 
 def test_bfloat16_stays_under_the_default_guard(tiny_dir, reference):
     """A bfloat16 build moves the distributions a little: KL above 0 but below the default 0.05 guard."""
-    engine = Engine.build(Plan(source=str(tiny_dir)).replace_section("hardware", dtype="bfloat16"), progress=_quiet)
+    engine = Engine.build(Plan(source=str(tiny_dir)).replace_section("hardware", dtype="bfloat16"), progress=quiet)
     kl = model_probes(reference, engine)["kl_mean"]
     assert 0.0 < kl < DEFAULT_GUARDS["kl_mean"]["max"]
 
@@ -104,7 +102,7 @@ def broken_dir(tiny_dir, tmp_path_factory):
 
 def test_randomized_layer_trips_kl_guard(broken_dir, reference):
     """A model with one randomized layer exceeds the default kl_mean guard, and the policy rolls it back naming kl_mean."""
-    engine = Engine.build(Plan(source=str(broken_dir)), progress=_quiet)
+    engine = Engine.build(Plan(source=str(broken_dir)), progress=quiet)
     probes = model_probes(reference, engine)
     limit = DEFAULT_GUARDS["kl_mean"]["max"]
     assert probes["kl_mean"] > limit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import quiet
 
 from fractal_opt.layers.model import Quantize
 from fractal_opt.plan import Plan
@@ -12,9 +13,6 @@ from fractal_opt.workload import Workload
 
 NEW = 10  # new tokens per request: enough for paths to diverge if they are not equivalent
 
-
-def _quiet(message: str) -> None:
-    pass
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +30,7 @@ def lively_plan(lively_dir) -> Plan:
 @pytest.fixture(scope="module")
 def sequential(lively_plan, requests):
     """Greedy outputs of the baseline plan, served one request at a time."""
-    engine = Engine.build(lively_plan, progress=_quiet)
+    engine = Engine.build(lively_plan, progress=quiet)
     return engine.serve(requests, max_new_tokens=NEW)
 
 
@@ -46,17 +44,17 @@ def test_reference_outputs_are_not_degenerate(sequential):
 def test_build_reuses_model_when_only_decoding_or_scheduling_changes(tiny_dir):
     """A plan differing only in decoding, token cap or batching shares the loaded model; a dtype change reloads."""
     base = Plan(source=str(tiny_dir))
-    first = Engine.build(base, progress=_quiet)
+    first = Engine.build(base, progress=quiet)
     for plan in (
         base.replace_section("application", max_new_tokens=4, do_sample=True, temperature=0.5),
         base.replace_section("scheduling", batching="static", batch_size=4),
         base.replace_section("model", kv_cache="static"),
     ):
-        again = Engine.build(plan, progress=_quiet)
+        again = Engine.build(plan, progress=quiet)
         assert again.model is first.model, f"model reloaded for {plan}"
         assert again.load_s == 0.0
         assert again.plan == plan
-    half = Engine.build(base.replace_section("hardware", dtype="bfloat16"), progress=_quiet)
+    half = Engine.build(base.replace_section("hardware", dtype="bfloat16"), progress=quiet)
     assert half.model is not first.model
     assert str(half.model.dtype) == "torch.bfloat16"
 
@@ -91,7 +89,7 @@ def test_runtime_attends_grouped_heads_natively_on_cpu(tiny_dir, monkeypatch):
     assert native_gqa_applies(plan)
     assert not native_gqa_applies(plan.replace_section("hardware", attention="eager"))
     assert not native_gqa_applies(plan.replace_section("hardware", device="cuda"))
-    engine = Engine.build(plan, progress=_quiet)
+    engine = Engine.build(plan, progress=quiet)
     batch = engine.tokenizer(["a short one", "a rather longer prompt than that"], return_tensors="pt", padding=True, padding_side="left")
     seen: list[tuple[int, bool]] = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -118,20 +116,20 @@ def test_serving_does_not_leak_thread_count(tiny_dir):
     import torch
 
     before = torch.get_num_threads()
-    engine = Engine.build(Plan(source=str(tiny_dir)).replace_section("hardware", threads=before + 1), progress=_quiet)
+    engine = Engine.build(Plan(source=str(tiny_dir)).replace_section("hardware", threads=before + 1), progress=quiet)
     engine.generate("Hi", max_new_tokens=2)
     assert torch.get_num_threads() == before
 
 
 def test_generate_returns_text(lively_plan):
     """generate() returns the answer as a non-empty str."""
-    text = Engine.build(lively_plan, progress=_quiet).generate("What is the capital of France?", max_new_tokens=NEW)
+    text = Engine.build(lively_plan, progress=quiet).generate("What is the capital of France?", max_new_tokens=NEW)
     assert isinstance(text, str) and text
 
 
 def test_stream_joins_to_generate(lively_plan):
     """For greedy decoding, the streamed pieces join to exactly the text generate() returns."""
-    engine = Engine.build(lively_plan, progress=_quiet)
+    engine = Engine.build(lively_plan, progress=quiet)
     prompt = [{"role": "user", "content": "Tell me about lighthouses."}]
     pieces = list(engine.stream(prompt, max_new_tokens=NEW))
     assert len(pieces) > 1, "stream() yielded everything at once"
@@ -140,7 +138,7 @@ def test_stream_joins_to_generate(lively_plan):
 
 def test_static_batching_matches_sequential(lively_plan, requests, sequential):
     """A left-padded batch of short and long prompts returns the same greedy tokens as serving them one by one."""
-    engine = Engine.build(lively_plan.replace_section("scheduling", batching="static", batch_size=len(requests)), progress=_quiet)
+    engine = Engine.build(lively_plan.replace_section("scheduling", batching="static", batch_size=len(requests)), progress=quiet)
     batched = engine.serve(requests, max_new_tokens=NEW)
     assert [g.request_id for g in batched] == [r.id for r in requests]
     for seq, bat in zip(sequential, batched):
@@ -151,7 +149,7 @@ def test_static_batching_matches_sequential(lively_plan, requests, sequential):
 @pytest.mark.parametrize("kv_cache", ["off", "static"])
 def test_kv_cache_variants_match_dynamic(lively_plan, requests, sequential, kv_cache):
     """Greedy tokens are the same with the KV cache off or static as with the default dynamic cache."""
-    engine = Engine.build(lively_plan.replace_section("model", kv_cache=kv_cache), progress=_quiet)
+    engine = Engine.build(lively_plan.replace_section("model", kv_cache=kv_cache), progress=quiet)
     reqs = requests[:2] if kv_cache == "off" else requests  # no-cache on the 1000-token prompt is slow by design
     for seq, other in zip(sequential, engine.serve(reqs, max_new_tokens=NEW)):
         assert other.token_ids == seq.token_ids, f"{seq.request_id}: kv_cache={kv_cache} output differs"
@@ -159,7 +157,7 @@ def test_kv_cache_variants_match_dynamic(lively_plan, requests, sequential, kv_c
 
 def test_max_new_tokens_cap(lively_plan, requests):
     """The plan's max_new_tokens caps a larger request budget, and the capped generations say hit_cap."""
-    engine = Engine.build(lively_plan.replace_section("application", max_new_tokens=3), progress=_quiet)
+    engine = Engine.build(lively_plan.replace_section("application", max_new_tokens=3), progress=quiet)
     gens = engine.serve(requests[:2], max_new_tokens=NEW)
     assert [g.new_tokens for g in gens] == [3, 3]
     assert all(g.hit_cap for g in gens)
@@ -169,7 +167,7 @@ def test_max_new_tokens_cap(lively_plan, requests):
 
 def test_end_of_sequence_stops_without_hit_cap(lively_plan, requests, sequential, monkeypatch):
     """A generation that ends at an end-of-sequence token counts that token, is not hit_cap, and leaves it out of the text."""
-    engine = Engine.build(lively_plan, progress=_quiet)
+    engine = Engine.build(lively_plan, progress=quiet)
     stop = sequential[0].token_ids[2]  # pretend the third token the model emits ends the sequence
     config = engine.model.generation_config
     monkeypatch.setattr(config, "eos_token_id", [engine.tokenizer.eos_token_id, stop])
@@ -187,13 +185,13 @@ def test_quantized_build_reports_census(tiny_dir):
 
     plan = Quantize().apply(Plan(source=str(tiny_dir)))
     assert plan.model.quant_backend == "torchao"
-    engine = Engine.build(plan, progress=_quiet)
+    engine = Engine.build(plan, progress=quiet)
     census = engine.census()
     assert census["quantized_linear_layers"] > 0
     assert census["quantized_linear_layers"] == census["linear_layers"] - 1, "only lm_head stays in float"
     head = engine.model.lm_head.weight
     assert type(head) is torch.nn.Parameter and head.dtype == torch.float32, "lm_head was quantized despite skip"
-    plain = Engine.build(Plan(source=str(tiny_dir)), progress=_quiet).census()
+    plain = Engine.build(Plan(source=str(tiny_dir)), progress=quiet).census()
     assert plain["quantized_linear_layers"] == 0
     assert census["weight_bytes"] < plain["weight_bytes"]
     assert isinstance(engine.generate("Hi", max_new_tokens=2), str)
