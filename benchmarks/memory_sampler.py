@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from fractal_opt.measure.memory import MemoryWindow
+    from fractal_opt.measure.metrics import Sample
     from fractal_opt.measure.noise import paired_interval
-    from fractal_opt.measure.runner import Sample
     from fractal_opt.plan import HardwarePlan, Plan
     from fractal_opt.runtimes import Engine
     from fractal_opt.workload import Workload

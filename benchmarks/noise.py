@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from fractal_opt.measure.runner import measure, measure_pair, paired_changes
     from fractal_opt.plan import HardwarePlan, Plan
     from fractal_opt.runtimes import Engine
+    from fractal_opt.runtimes.transformers.engine import TransformersEngine
     from fractal_opt.workload import Workload
 
     plan = Plan(source="smollm2-135m-instruct", hardware=HardwarePlan(threads=args.threads))
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = measure(engine, Workload(suite="default", limit=args.requests, max_new_tokens=args.tokens, repeats=2, warmup=1))
     ms_per_token = statistics.median(s.decode_ms_per_token for s in warm.samples if s.decode_ms_per_token)
     delay_s = args.slowdown * ms_per_token / 1000
-    slow = Engine(plan, SlowModel(engine.model, delay_s), engine.tokenizer, max_new_tokens=args.tokens)
+    slow = TransformersEngine(plan, SlowModel(engine.model, delay_s), engine.tokenizer, max_new_tokens=args.tokens)
     print(f"torch {torch.__version__}, {args.threads or torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}; "
           f"{args.requests} requests x {args.tokens} tokens, {args.rounds} rounds (max {args.max_rounds or args.rounds}); "
           f"decode {ms_per_token:.1f} ms/token -> injected {delay_s * 1000:.2f} ms per decode step ({args.slowdown:.0%})")

@@ -9,9 +9,9 @@ rejected or error: every request is counted, none dropped — plus aggregate out
 - ``poisson``: requests arrive at ``rate`` per second with exponential gaps (seeded), whether
   or not earlier ones finished (what real traffic does; queues grow when the rate is too high).
 
-:class:`LoadRunner` measures a plan under a workload's ``load`` profile with the same protocol as
-the measurement module's runner (``warm_up`` / ``round`` / ``result`` -> ``Measurement``), so the
-pipeline judges scheduling passes on aggregate tokens/s with TTFT / ITL percentiles as guards.
+This module only generates load; :class:`fractal_opt.measure.rounds.LoadRounds` turns a load into
+the rounds of the one measurement runner, so the pipeline judges scheduling passes on aggregate
+tokens/s with TTFT / ITL percentiles as guards.
 
 Example:
     >>> profile = LoadProfile(mode="closed", concurrency=8, requests=32, output_tokens=(16, 64))
@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import threading
 import time
@@ -31,17 +30,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import EngineError, RecipeError, RequestRejected
+from .metrics import percentile
 
 if TYPE_CHECKING:
-    from ..engine.protocol import Engine
     from ..serving.server import Server, Ticket
-    from ..workload import LoadProfile, Request, Workload
-    from .runner import Measurement
+    from ..workload import LoadProfile, Request
 
-__all__ = ["LoadItem", "LoadRecord", "LoadResult", "LoadRunner", "build_items", "run_load"]
-
-_WARMUP_TOKENS = 8  # budget of the untimed warm-up requests (every prompt shape through the kernels)
-
+__all__ = ["LoadItem", "LoadRecord", "LoadResult", "build_items", "run_load"]
 
 @dataclass(frozen=True)
 class LoadItem:
@@ -69,6 +64,7 @@ class LoadRecord:
     error: str | None = None
     cache_hit: str | None = None  # "exact" / "semantic" when the plan's response cache answered
     prompt_tokens_saved: int = 0  # prompt tokens the plan's prompt budget removed
+    text: str = ""  # the answer as the server decoded it (end-of-sequence tokens left out)
 
     @property
     def ttft_ms(self) -> float | None:
@@ -108,7 +104,7 @@ class LoadRecord:
             t_submit=ticket.t_submit, t_start=ticket.t_start, t_end=ticket.t_end if ticket.t_end is not None else time.perf_counter(),
             token_ids=list(ticket.token_ids), token_times=list(ticket.token_times), delivered_times=list(ticket.delivered_times),
             error=None if ticket.error is None else f"{type(ticket.error).__name__}: {ticket.error}",
-            cache_hit=ticket.cache_hit, prompt_tokens_saved=ticket.prompt_tokens_saved,
+            cache_hit=ticket.cache_hit, prompt_tokens_saved=ticket.prompt_tokens_saved, text=ticket.text(),
         )
 
 
@@ -132,8 +128,6 @@ class LoadResult:
 
     def summary(self) -> dict[str, Any]:
         """Aggregate output tokens/s and TTFT / ITL / e2e p50, p90, p99 over finished requests."""
-        from .runner import percentile
-
         done = [r for r in self.records if r.status == "done"]
         out: dict[str, Any] = {"requests": len(self.records), **self.counts(), "output_tokens": self.output_tokens(),
                                "wall_s": round(self.wall_s, 3),
@@ -247,107 +241,3 @@ def _poisson(send: Callable[[int], Ticket], n: int, rate: float, rng: random.Ran
             time.sleep(delay)
         send(i)
         at += rng.expovariate(rate)  # exponential gaps = Poisson arrivals at `rate` per second
-
-
-# --------------------------------------------------------------------------- measurement
-
-
-class LoadRunner:
-    """Measures one engine under a workload's load profile, one timed round at a time.
-
-    Same protocol as ``fractal_opt.measure``'s runner: ``warm_up()``, ``round()``, ``result()``.
-    Each round runs the whole load through a fresh server; per-repeat rows carry aggregate
-    tokens/s, memory, CPU utilization and the TTFT / ITL / e2e percentiles of that round.
-
-    Raises (from ``round``):
-        EngineError: a request failed, or the round left less than ``memory_headroom`` free.
-    """
-
-    def __init__(self, engine: Engine, workload: Workload, requests: Sequence[Request]):
-        self.engine = engine
-        self.workload = workload
-        self.profile = workload.load_profile()
-        self.items = build_items(list(requests), self.profile, default_tokens=workload.max_new_tokens)
-        limit = engine.plan.scheduling.max_concurrency
-        self.clients = max(self.profile.concurrency, limit or 0)  # a ramp's level sets the offered load
-        machine = engine.machine
-        device = str(engine.model.device)
-        self.capacity_mb = machine.device_memory_bytes(device) / 2**20 if machine is not None and machine.device_memory_bytes(device) else None
-        self.device = device
-        self.samples: list = []
-        self.repeats: list[dict[str, Any]] = []
-        self.outputs: dict[str, list[int]] = {}
-        self.texts: dict[str, str] = {}
-        self.warmup_s = 0.0
-        self.memory_source = "rss"
-        self.last: LoadResult | None = None
-
-    def warm_up(self) -> None:
-        t0 = time.perf_counter()
-        for _ in range(self.workload.warmup):
-            warm = [dataclasses.replace(it, max_new_tokens=min(_WARMUP_TOKENS, it.max_new_tokens)) for it in self.items[: self.clients]]
-            with self.engine.server(seed=self.workload.seed, ignore_eos=self.profile.ignore_eos) as server:
-                run_load(server, warm, dataclasses.replace(self.profile, mode="closed", cancel_fraction=0.0), concurrency=self.clients)
-        self.warmup_s += time.perf_counter() - t0
-
-    def round(self) -> None:
-        import os
-
-        from .memory import MemoryWindow
-        from .runner import Sample, _plan_threads
-
-        r = len(self.repeats)
-        self.engine.reset_response_cache()  # every round starts cold, as measure() does for each pass over the suite
-        cpu0 = os.times()
-        with MemoryWindow(self.device) as mem, self.engine.server(seed=self.workload.seed, ignore_eos=self.profile.ignore_eos) as server:
-            result = run_load(server, self.items, self.profile, concurrency=self.clients)
-        cpu1 = os.times()
-        self.last = result
-        summary = result.summary()
-        errors = [rec for rec in result.records if rec.status == "error"]
-        if errors:
-            raise EngineError(f"{len(errors)} of {len(result.records)} requests failed under load ({self.clients} clients): {errors[0].error}")
-        if self.capacity_mb and mem.peak_mb is not None and mem.peak_mb > (1 - self.profile.memory_headroom) * self.capacity_mb:
-            msg = (f"memory headroom tripped under load: peak {mem.peak_mb:.0f} MB of {self.capacity_mb:.0f} MB leaves less than "
-                   f"{self.profile.memory_headroom:.0%} free ({self.clients} clients)")
-            raise EngineError(msg)
-        cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
-        row: dict[str, Any] = {
-            "throughput_tokens_per_s": summary["throughput_tokens_per_s"],
-            "peak_memory_mb": mem.peak_mb,
-            "cpu_utilization": cpu_s / result.wall_s / _plan_threads(self.engine) if result.wall_s else None,
-            "memory_headroom_mb": self.capacity_mb - mem.peak_mb if self.capacity_mb and mem.peak_mb is not None else None,
-            "wall_s": result.wall_s,
-            **{k: summary[k] for k in ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99")},
-            "load": {k: summary[k] for k in ("requests", "done", "timeout", "cancelled", "rejected", "error", "output_tokens", "slo_met") if k in summary},
-            "goodput_tokens_per_s": summary.get("goodput_tokens_per_s"),  # None unless the profile sets an SLO
-        }
-        self.repeats.append(row)
-        self.memory_source = mem.source
-        for rec in result.records:
-            if rec.status != "done":
-                continue
-            gen = _as_generation(rec, self.engine.tokenizer.decode(rec.token_ids, skip_special_tokens=True))
-            sample = Sample.from_generation(gen, repeat=r)
-            self.samples.append(dataclasses.replace(sample, ttft_ms=rec.ttft_ms))  # TTFT as the caller saw it
-            if r == 0:
-                self.outputs[rec.id] = list(rec.token_ids)
-                self.texts[rec.id] = gen.text
-
-    def result(self) -> Measurement:
-        from .runner import Measurement
-
-        extra = {"load": {"mode": self.profile.mode, "clients": self.clients, "requests": len(self.items),
-                          "rate": self.profile.rate, "rounds": [row["load"] for row in self.repeats]}}
-        if self.capacity_mb:
-            extra["capacity_mb"] = round(self.capacity_mb, 1)
-        return Measurement(samples=self.samples, repeats=self.repeats, outputs=self.outputs, texts=self.texts,
-                           warmup_s=self.warmup_s, memory_source=self.memory_source, extra=extra)
-
-
-def _as_generation(rec: LoadRecord, text: str) -> Any:
-    from ..engine.protocol import Generation
-
-    return Generation(request_id=rec.id, text=text, token_ids=rec.token_ids, prompt_tokens=rec.prompt_tokens, t_submit=rec.t_submit,
-                      t_prefill_start=rec.t_start if rec.t_start is not None else rec.t_submit, token_times=rec.token_times, hit_cap=len(rec.token_ids) >= rec.max_new_tokens,
-                      cache_hit=rec.cache_hit, prompt_tokens_saved=rec.prompt_tokens_saved)

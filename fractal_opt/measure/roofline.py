@@ -25,12 +25,15 @@ from ..errors import RecipeError, closest
 
 __all__ = [
     "DTYPE_BITS",
+    "KV_QUANT_GROUP",
     "ModelShape",
     "bound_label",
     "decode_ceiling_tokens_per_s",
     "dtype_bits",
     "kv_bytes_per_token",
+    "kv_values_per_token",
     "prefill_flops",
+    "quantized_kv_bytes_per_token",
     "step_roofline",
     "weight_bytes",
 ]
@@ -40,6 +43,9 @@ DTYPE_BITS: dict[str, int] = {
     "bfloat16": 16, "bf16": 16, "float16": 16, "fp16": 16, "half": 16,
     "float8": 8, "fp8": 8, "int8": 8, "int4": 4, "nf4": 4,
 }
+
+# Values per (scale, zero-point) pair of a quantized KV cache: transformers' q_group_size default.
+KV_QUANT_GROUP = 64
 
 # Label thresholds (fractions of a ceiling). A step at >= 50% of the bandwidth ceiling in decode is
 # limited by memory traffic (gpt-fast reaches 60-80% on GPUs; HF eager decode on a CPU reaches
@@ -155,12 +161,30 @@ def weight_bytes_read_per_token(shape: ModelShape, *, dtype_bits: int = 32, weig
     return (linear * linear_bits + rest * dtype_bits) // 8
 
 
-def kv_bytes_per_token(shape: ModelShape, *, kv_bits: int = 32) -> int:
-    """KV-cache bytes one token of one sequence holds: 2 (K and V) × layers × KV heads × head_dim × bytes.
+def kv_values_per_token(shape: ModelShape) -> int:
+    """Values one token of one sequence adds to the KV cache: 2 (K and V) × layers × KV heads × head_dim.
 
     GQA/MQA-aware: the KV head count is ``num_key_value_heads``, not the attention head count.
     """
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * kv_bits // 8
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim
+
+
+def kv_bytes_per_token(shape: ModelShape, *, kv_bits: int = 32) -> int:
+    """KV-cache bytes one token of one sequence holds: :func:`kv_values_per_token` × bits / 8."""
+    return kv_values_per_token(shape) * kv_bits // 8
+
+
+def quantized_kv_bytes_per_token(shape: ModelShape, *, kv_bits: int, scale_bits: int) -> float:
+    """KV bytes per token of a quantized cache: the payload (``kv_bits`` / 8 per value) plus one
+    scale and one zero-point of ``scale_bits`` each per :data:`KV_QUANT_GROUP` values.
+
+    Example:
+        >>> shape = ModelShape(layers=4, hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256, vocab=512)
+        >>> quantized_kv_bytes_per_token(shape, kv_bits=4, scale_bits=32)  # 1024 values x (0.5 + 8 / 64)
+        640.0
+    """
+    per_value = kv_bits / 8 + 2 * (scale_bits // 8) / KV_QUANT_GROUP
+    return kv_values_per_token(shape) * per_value
 
 
 def prefill_flops(params: int, prompt_tokens: int) -> float:

@@ -14,16 +14,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import runtimes
+from ..engine.protocol import Engine
 from ..machine import Machine, resolve_device
 from ..measure.budget import load_config, shape_from_config
+from ..measure.metrics import METRICS, Measurement
 from ..measure.noise import band
-from ..measure.roofline import ModelShape, dtype_bits, kv_bytes_per_token, step_roofline, weight_bytes
-from ..measure.runner import METRICS, Measurement, measure, measure_pair, paired_changes
+from ..measure.preflight import batch_size, preflight
+from ..measure.roofline import ModelShape, dtype_bits, kv_bytes_per_token, step_roofline
+from ..measure.runner import measure, measure_pair, paired_changes
 from ..plan import Plan
-from ..runtimes import Engine, clear_cache, evict_except
 from ..workload import Request, Workload
 
-__all__ = ["Comparison", "StepMeasurer", "preflight"]
+__all__ = ["Comparison", "StepMeasurer"]
 
 # Both models must fit in this share of the device to be measured side by side: the rest is for
 # activations, the KV cache, the reference logits and the OS (RSS also counts file-backed pages).
@@ -45,35 +48,13 @@ class Comparison:
     info: dict[str, Any] = field(default_factory=dict)  # mode, rounds, drift note
 
 
-def _batch(plan: Plan, n_requests: int) -> int:
-    sched = plan.scheduling
-    if sched.batching == "sequential":
-        return 1
-    size = sched.batch_size if sched.batching == "static" else (getattr(sched, "max_concurrency", None) or n_requests)
-    return max(1, min(size, n_requests))
-
-
-def preflight(plan: Plan, shape: ModelShape, *, context: int, n_requests: int, capacity_bytes: int) -> tuple[str | None, dict[str, Any]]:
-    """(reason to refuse or None, the numbers): weights + KV cache for ``context`` tokens × the
-    plan's batch must fit in ``capacity_bytes``."""
-    bits = dtype_bits(plan.hardware.dtype)
-    w = weight_bytes(shape, dtype_bits=bits, weights_bits=plan.model.weight_bits)
-    batch = _batch(plan, n_requests)
-    kv = 0 if plan.model.kv_cache == "off" else kv_bytes_per_token(shape, kv_bits=bits) * context * batch
-    numbers = {"weight_bytes": w, "kv_bytes": kv, "context_tokens": context, "batch": batch, "capacity_bytes": capacity_bytes}
-    if capacity_bytes and w + kv > capacity_bytes:
-        gb = 1e9
-        return (f"pre-flight: weights {w / gb:.3f} GB + KV cache {kv / gb:.3f} GB ({context} tokens x batch {batch}) = {(w + kv) / gb:.3f} GB "
-                f"exceed the device's {capacity_bytes / gb:.3f} GB"), numbers
-    return None, numbers
-
-
 class StepMeasurer:
     """Measurement for the pipeline: calibration, per-step comparison and roofline numbers."""
 
     def __init__(self, *, machine: Machine, workload: Workload, requests: Sequence[Request], min_effect: float,
-                 limits: Any = None, progress: Callable[[str], None] = lambda m: None):
+                 limits: Any = None, progress: Callable[[str], None] = lambda m: None, build: Callable[..., Engine] | None = None):
         self.machine = machine
+        self.build = build or runtimes.build  # build(plan, *, machine, progress, max_new_tokens) -> Engine (tests: a fake)
         self.workload = workload
         self.requests = list(requests)
         self.min_effect = min_effect
@@ -134,12 +115,12 @@ class StepMeasurer:
         "back_to_back" (the previous model is released first, so the candidate has the memory)."""
         if self._fits_side_by_side(candidate, previous):
             if self.previous is None:
-                self.previous = Engine.build(previous, machine=self.machine, progress=self.say, max_new_tokens=self.workload.max_new_tokens)
+                self.previous = self.build(previous, machine=self.machine, progress=self.say, max_new_tokens=self.workload.max_new_tokens)
             return "interleaved"
         if self.previous is not None:
             self.previous.close()
             self.previous = None
-            clear_cache()
+            runtimes.clear_cache()
         return "back_to_back"
 
     def compare(self, candidate: Engine, current: Measurement, *, mode: str, objective: str, label: str) -> Comparison:
@@ -171,19 +152,19 @@ class StepMeasurer:
             if self.previous is not None and self.previous is not candidate:
                 self.previous.close()
             self.previous = candidate
-            evict_except({candidate.plan.weights_key()})
+            runtimes.evict_except({candidate.plan.weights_key()})
             return
         candidate.close()
-        evict_except({plan.weights_key()})
+        runtimes.evict_except({plan.weights_key()})
         if mode == "interleaved":
-            self.previous = Engine.build(plan, machine=self.machine, progress=self.say, max_new_tokens=self.workload.max_new_tokens)
+            self.previous = self.build(plan, machine=self.machine, progress=self.say, max_new_tokens=self.workload.max_new_tokens)
         else:
             self.previous = None
-            clear_cache()
+            runtimes.clear_cache()
 
     # ------------------------------------------------------------------ roofline
     def roofline(self, engine: Engine, m: Measurement) -> dict[str, Any]:
-        """The step's roofline numbers (see :func:`fractal_opt.roofline.step_roofline`)."""
+        """The step's roofline numbers (see :func:`fractal_opt.measure.roofline.step_roofline`)."""
         plan = engine.plan
         shape = self.shape(plan.source)
         if shape is None or not m.samples:
@@ -192,8 +173,8 @@ class StepMeasurer:
         bits = dtype_bits(plan.hardware.dtype)
         w_read = census["weight_bytes"] - (0 if shape.tied_embeddings else shape.embedding_params * bits // 8)
         kv_tok = 0 if plan.model.kv_cache == "off" else kv_bytes_per_token(shape, kv_bits=bits)
-        batch = _batch(plan, len(self.requests))
-        device = str(engine.model.device) if engine.model is not None else "cpu"
+        batch = batch_size(plan, len(self.requests))
+        device = engine.device
         summary = m.summary()
         peak = summary.get("peak_memory_mb")
         lim = self.limits

@@ -97,7 +97,9 @@ class Reference:
 
 
 def _reference_ids(engine: Engine, config: QualityConfig) -> torch.Tensor:
-    ids = engine.tokenizer(reference_text(), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    import torch
+
+    ids = torch.tensor(engine.encode(reference_text()), dtype=torch.long)
     return ids[: config.reference_tokens]
 
 

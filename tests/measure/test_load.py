@@ -134,7 +134,7 @@ def test_measure_under_load_reports_throughput_and_percentiles(tiny_dir):
     """A load measurement gives aggregate tokens/s and TTFT / ITL percentiles per round, with TTFT as the caller saw it."""
     wl = Workload(suite="default", max_new_tokens=8, repeats=2, warmup=0,
                   load={"mode": "closed", "concurrency": 4, "requests": 8, "output_tokens": [4, 8], "ignore_eos": True})
-    m = measure(_engine(tiny_dir, batching="continuous"), wl)  # a load profile routes measure() through the LoadRunner
+    m = measure(_engine(tiny_dir, batching="continuous"), wl)  # a load profile routes measure() through the load rounds
     assert len(m.repeats) == 2 and all(r["throughput_tokens_per_s"] > 0 for r in m.repeats)
     assert all(r["ttft_ms_p90"] is not None and r["itl_ms_p50"] is not None for r in m.repeats)
     assert m.extra["load"]["clients"] == 4 and len(m.outputs) == 8
@@ -170,17 +170,14 @@ def test_pipeline_judges_batching_under_the_load_profile(tiny_dir, small_recipe,
 
 def test_a_ramp_steps_up_from_a_kept_level_and_says_why_it_stopped():
     """A kept level lets the ramp step up; a guard, a worse objective, a failure or a skip stop it, saying why."""
-    from fractal_opt.pipeline.runner import _ramp_stop
-    from fractal_opt.pipeline.trace import Step
+    from fractal_opt.layers.scheduling import Concurrency
 
-    def level(status: str) -> Step:
-        return Step(pass_name="concurrency", layer="scheduling", params={"limit": 8}, status=status, reason="")
-
-    assert _ramp_stop(level("kept"), "kept") is None
-    assert _ramp_stop(level("rolled_back"), "guard") == "the previous level was rolled back (a guard tripped)"
-    assert _ramp_stop(level("rolled_back"), "worse") == "the previous level was rolled back (throughput got worse)"
-    assert _ramp_stop(level("failed"), "") == "the previous level failed"
-    assert _ramp_stop(level("skipped"), "") == "the previous level was skipped"
+    ramp = Concurrency(mode="ramp", levels=(4, 8))  # the runner asks ramp.stop(status, outcome) after each level
+    assert ramp.stop("kept", "kept") is None
+    assert ramp.stop("rolled_back", "guard") == "the previous level was rolled back (a guard tripped)"
+    assert ramp.stop("rolled_back", "worse") == "the previous level was rolled back (throughput got worse)"
+    assert ramp.stop("failed", "") == "the previous level failed"
+    assert ramp.stop("skipped", "") == "the previous level was skipped"
 
 
 def test_goodput_counts_only_requests_that_meet_every_slo():

@@ -8,7 +8,8 @@ import pytest
 
 from fractal_opt.engine.protocol import Generation
 from fractal_opt.measure.clock import TokenClock
-from fractal_opt.measure.runner import Measurement, Sample, compare
+from fractal_opt.measure.metrics import Measurement, Sample
+from fractal_opt.measure.runner import paired_changes
 
 
 def _gen(*, rid="r", t_submit=10.0, t_prefill=10.1, times=(10.5, 10.6, 10.7, 10.9), hit_cap=True) -> Generation:
@@ -20,6 +21,12 @@ def _sample(rid: str, **values) -> Sample:
     base = dict(request_id=rid, prompt_tokens=10, new_tokens=8, ttft_ms=50.0, prefill_ms=40.0, e2e_ms=500.0, decode_tokens_per_s=20.0, hit_cap=True)
     base.update(values)
     return Sample(**base)
+
+
+def _change(before: Measurement, after: Measurement, metric: str) -> float | None:
+    """The paired change of ``metric`` (None when no request has a value on both sides)."""
+    interval = paired_changes(before, after, [metric]).get(metric)
+    return None if interval is None else interval.change
 
 
 def _measurement(samples: list[Sample], repeats: list[dict] | None = None) -> Measurement:
@@ -49,40 +56,40 @@ def test_single_token_has_no_decode_rate():
     assert s.ttft_ms == pytest.approx(500.0) and s.e2e_ms == pytest.approx(500.0)
 
 
-def test_compare_is_geometric_mean_of_per_request_ratios():
-    """compare() pairs requests: ratios 2x and 0.5x cancel out to 0, whatever the requests' sizes."""
+def test_change_is_geometric_mean_of_per_request_ratios():
+    """paired_changes() pairs requests: ratios 2x and 0.5x cancel out to 0, whatever the requests' sizes."""
     before = _measurement([_sample("short", e2e_ms=10.0), _sample("long", e2e_ms=1000.0)])
     after = _measurement([_sample("short", e2e_ms=20.0), _sample("long", e2e_ms=500.0)])
-    assert compare(before, after, "e2e_ms") == pytest.approx(0.0, abs=1e-12)
+    assert _change(before, after, "e2e_ms") == pytest.approx(0.0, abs=1e-12)
     after2 = _measurement([_sample("short", e2e_ms=20.0), _sample("long", e2e_ms=8000.0)])
-    assert compare(before, after2, "e2e_ms") == pytest.approx(math.sqrt(2 * 8) - 1)
+    assert _change(before, after2, "e2e_ms") == pytest.approx(math.sqrt(2 * 8) - 1)
 
 
-def test_compare_uses_per_request_median_over_repeats():
-    """Repeats of one request are reduced to their median before pairing (one outlier does not move it)."""
-    before = _measurement([_sample("a", ttft_ms=v) for v in (10.0, 10.0, 10.0)])
-    after = _measurement([_sample("a", ttft_ms=v) for v in (20.0, 20.0, 500.0)])
-    assert compare(before, after, "ttft_ms") == pytest.approx(1.0)
+def test_change_uses_per_request_median_over_repeats():
+    """Repeats of one request are reduced to their median (one outlier does not move it)."""
+    before = _measurement([_sample("a", ttft_ms=v, repeat=r) for r, v in enumerate((10.0, 10.0, 10.0))])
+    after = _measurement([_sample("a", ttft_ms=v, repeat=r) for r, v in enumerate((20.0, 20.0, 500.0))])
+    assert _change(before, after, "ttft_ms") == pytest.approx(1.0)
 
 
-def test_compare_ignores_requests_missing_on_one_side():
+def test_change_ignores_requests_missing_on_one_side():
     """Requests measured on one side only are left out of the pairing."""
     before = _measurement([_sample("a", e2e_ms=10.0), _sample("b", e2e_ms=10.0)])
     after = _measurement([_sample("a", e2e_ms=15.0)])
-    assert compare(before, after, "e2e_ms") == pytest.approx(0.5)
+    assert _change(before, after, "e2e_ms") == pytest.approx(0.5)
 
 
-def test_compare_per_repeat_metric_uses_medians():
-    """Throughput (a per-repeat number) compares the medians of the repeats."""
+def test_per_repeat_metric_median_is_over_repeats():
+    """Throughput (a per-repeat number) has the median of the repeats as its value."""
     before = _measurement([_sample("a")], [{"throughput_tokens_per_s": v, "peak_memory_mb": 1.0, "cpu_utilization": 1.0} for v in (10.0, 12.0, 11.0)])
     after = _measurement([_sample("a")], [{"throughput_tokens_per_s": v, "peak_memory_mb": 1.0, "cpu_utilization": 1.0} for v in (22.0, 20.0, 99.0)])
-    assert compare(before, after, "throughput_tokens_per_s") == pytest.approx(22.0 / 11.0 - 1)
+    assert after.median("throughput_tokens_per_s") / before.median("throughput_tokens_per_s") - 1 == pytest.approx(22.0 / 11.0 - 1)
 
 
-def test_compare_without_values_is_none():
-    """A metric that was not measured (no decode rate anywhere) compares as None, not 0."""
+def test_change_without_values_is_none():
+    """A metric that was not measured (no decode rate anywhere) has no change (None), not 0."""
     before = _measurement([_sample("a", decode_tokens_per_s=None)])
-    assert compare(before, before, "decode_tokens_per_s") is None
+    assert _change(before, before, "decode_tokens_per_s") is None
 
 
 def test_summary_reports_medians_and_cap_share():

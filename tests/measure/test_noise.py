@@ -10,8 +10,9 @@ import random
 import pytest
 
 from fractal_opt.measure.memory import GpuMonitor, MemoryWindow
+from fractal_opt.measure.metrics import PERCENTILE_METRICS, Measurement, Sample, percentile
 from fractal_opt.measure.noise import band, paired_interval, settled
-from fractal_opt.measure.runner import PERCENTILE_METRICS, Measurement, Sample, paired_changes, percentile
+from fractal_opt.measure.runner import paired_changes
 
 
 def _sample(rid: str, repeat: int, **values) -> Sample:
@@ -142,7 +143,7 @@ def test_machine_limits_cached_per_fingerprint(tmp_path, monkeypatch, machine):
 def test_preflight_refuses_with_the_numbers():
     """A plan whose weights + KV exceed the device is refused with GB figures; the same plan fits a bigger device."""
     from fractal_opt.measure.budget import shape_from_config
-    from fractal_opt.pipeline.step_measurement import preflight
+    from fractal_opt.measure.preflight import preflight
     from fractal_opt.plan import Plan, SchedulingPlan
 
     shape = shape_from_config({"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "intermediate_size": 11008, "vocab_size": 32000})

@@ -1,9 +1,9 @@
-"""Loading a plan's model: source, placement, dtype, attention kernel, quantization; and the census.
+"""Loading a plan's model: source, placement, dtype, attention kernel, quantization.
 
 Called only by ``Engine.build`` (which caches the result by ``Plan.weights_key()``). Every
 quantization backend goes through the same skip rules (fractal_opt.quant_select), and what was
-done is recorded on the model (``_fractal_quant``) so that :func:`census` can report it: the
-backend and method, the modules kept in full precision and, with sensitivity, each block's KL.
+done is recorded on the model (``_fractal_quant``) so that :func:`.census.census` can report it:
+the backend and method, the modules kept in full precision and, with sensitivity, each block's KL.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ...machine import resolve_device
 from ...plan import Plan
 from ...quant_select import block_index, expand, skipped
 
-__all__ = ["census", "kv_census", "load"]
+__all__ = ["load"]
 
 
 def _max_memory(spec: tuple[str, ...]) -> dict[int | str, str]:
@@ -86,7 +86,7 @@ def load(plan: Plan, *, progress: Callable[[str], None] = print) -> tuple[Any, A
         record["skipped_modules"] = expand(names, skip, n_blocks=n_blocks)
         _quantize_post_load(model, plan, skip)
     if record is not None:
-        model._fractal_quant = record  # read by census()
+        model._fractal_quant = record  # read by census.census()
     if hw.prepack:
         _prepack(model, hw.prepack)
     return model, tokenizer
@@ -192,98 +192,3 @@ def _linear_names_from_config(config: Any) -> tuple[list[str], int]:
 def _n_blocks(model: Any) -> int:
     indices = {i for n, _ in model.named_modules() if (i := block_index(n)) is not None}
     return max(indices) + 1 if indices else 0
-
-
-
-# --------------------------------------------------------------------------- census
-
-
-def _tensor_bytes(t: Any) -> int:
-    """Bytes a tensor really holds, looking inside quantized tensor subclasses."""
-    if hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(t, n)) for n in names)
-    return t.numel() * t.element_size()
-
-
-def _is_quantized(module: Any) -> bool:
-    import torch
-
-    weight = getattr(module, "weight", None)
-    if weight is None:
-        return False
-    data = weight.data if type(weight) is torch.nn.Parameter else weight
-    return type(data).__name__ not in ("Tensor", "Parameter") or data.dtype in (torch.int8, torch.uint8)
-
-
-def census(model: Any, plan: Plan | None = None) -> dict[str, Any]:
-    """What the built model holds: bytes by storage type, how many linear layers are quantized,
-    what the quantization kept in full precision, and (given the plan) the KV-cache arithmetic."""
-    import torch
-
-    by_type: dict[str, int] = {}
-    seen: set[int] = set()
-    for p in model.parameters():
-        if id(p) in seen:  # tied weights (lm_head = embed_tokens) count once
-            continue
-        seen.add(id(p))
-        data = p.data if type(p) is torch.nn.Parameter else p
-        kind = type(data).__name__
-        key = str(data.dtype).removeprefix("torch.") if kind in ("Tensor", "Parameter") else f"{kind}({str(data.dtype).removeprefix('torch.')})"
-        if kind == "Int8Params":
-            key = "int8(bitsandbytes)"
-        by_type[key] = by_type.get(key, 0) + _tensor_bytes(data)
-    from torch.utils.mkldnn import MkldnnLinear
-
-    for m in model.modules():  # prepacked weights are buffers of their own (a copy where the weight was tied)
-        if isinstance(m, MkldnnLinear):
-            by_type["mkldnn(float32)"] = by_type.get("mkldnn(float32)", 0) + _tensor_bytes(m.weight)
-    # quanto swaps nn.Linear for QLinear (a subclass), so isinstance still finds it.
-    linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    quantized = sum(1 for m in linear if _is_quantized(m))
-    out: dict[str, Any] = {"bytes_by_type": by_type, "weight_bytes": sum(by_type.values()), "linear_layers": len(linear), "quantized_linear_layers": quantized}
-    record = getattr(model, "_fractal_quant", None)
-    if record is not None:
-        out["quantization"] = record
-    device_map = getattr(model, "hf_device_map", None)
-    if device_map and len(set(device_map.values())) > 1:
-        placed: dict[str, int] = {}
-        for where in device_map.values():
-            placed[str(where)] = placed.get(str(where), 0) + 1
-        out["device_map"] = placed  # modules per device ("disk" = offloaded)
-    if plan is not None:
-        out.update(kv_census(model.config, plan))
-    return out
-
-
-def kv_census(config: Any, plan: Plan) -> dict[str, Any]:
-    """KV-cache memory from the model config: 2 (K and V) x layers x kv_heads x head_dim x bytes per token.
-
-    Returns bytes per 1k tokens of context for the plan's cache and for the plain cache in the
-    plan's dtype, the bytes saved, and (static cache with a context cap) the bytes reserved up
-    front per sequence. Quantized caches count their payload (bits / 8 per value) plus one scale
-    and one zero-point per group of 64 values (transformers' q_group_size), and leave out the
-    newest 128 tokens (residual_length) that stay in full precision: a per-1k figure for long contexts.
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = int(text.num_hidden_layers)
-    heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    value_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(plan.hardware.dtype, 4)
-    values_per_token = 2 * layers * heads * head_dim
-    full = values_per_token * value_bytes * 1000
-    mp = plan.model
-    if mp.kv_cache == "quantized" and mp.kv_bits:
-        per_value = mp.kv_bits / 8 + 2 * value_bytes / 64  # payload + (scale, zero) per 64 values
-        stored = int(values_per_token * per_value * 1000)
-    elif mp.kv_cache == "off":
-        stored = 0  # nothing kept: every step recomputes the whole sequence instead
-    elif mp.kv_cache == "offloaded":
-        stored = int(full * min(layers, 2) / layers)  # device-resident: the current layer and the prefetched next one
-    else:
-        stored = full
-    out: dict[str, Any] = {"kv_cache": mp.kv_cache, "kv_bytes_per_1k_tokens": stored, "kv_bytes_per_1k_tokens_plain": full, "kv_bytes_saved_per_1k_tokens": full - stored}
-    if mp.context_cap is not None:
-        out["context_cap"] = mp.context_cap
-        out["kv_bytes_at_cap"] = stored * mp.context_cap // 1000  # one sequence at the cap (the static cache reserves this)
-    return out
