@@ -14,7 +14,8 @@ Example:
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,12 +61,16 @@ class Engine(abc.ABC):
         machine: the probed machine (None in tests that need none).
         load_s: seconds spent loading (0 when the weights came from a cache).
         default_max_new_tokens: the budget of a request that names none.
+        model: the runtime's handle on what it loaded (a torch module, a llama.cpp server, a URL),
+            None once closed. Only the runtime looks inside it; the rest of the house asks
+            :attr:`closed`.
     """
 
     plan: Plan
     machine: Machine | None
     load_s: float
     default_max_new_tokens: int
+    model: Any
 
     # ------------------------------------------------------------------ what a runtime can do
     @classmethod
@@ -118,15 +123,75 @@ class Engine(abc.ABC):
         """The response cache's counters, or None without a cache."""
         return None
 
+    # ------------------------------------------------------------------ measurement's needs
+    # What measurement (fractal_opt.measure) and the quality probes ask of every runtime. The
+    # defaults fit a runtime whose results are ready when a call returns (a CPU, another process).
+    @property
+    def device(self) -> str:
+        """The device the model runs on ("cpu", "cuda:0", "mps"): whose memory a measurement watches."""
+        from ..machine import resolve_device
+
+        return resolve_device(self.plan.hardware.device, self.machine)
+
+    @property
+    def clock_sync(self) -> Callable[[], None] | None:
+        """What waits for the device's queued work before the clock is read (``torch.cuda.synchronize``
+        for a model on a GPU in this process); None where results are ready when a call returns."""
+        return None
+
+    @property
+    def threads(self) -> int:
+        """The CPU threads the plan runs with (what ``cpu_utilization`` divides by): the plan's
+        number, the physical cores for ``auto``, else the runtime's default (torch's, when probed)."""
+        threads = self.plan.hardware.threads
+        if isinstance(threads, int):
+            return threads
+        if threads == "auto" and self.machine is not None:
+            return self.machine.physical_cores
+        probed = self.machine.torch_threads if self.machine is not None else None
+        return max(1, probed or os.cpu_count() or 1)
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of ``text`` as this deployment's tokenizer reads it, no special tokens added
+        (the quality probes score the reference text with them). A runtime without one raises."""
+        raise NotImplementedError(f"{type(self).__name__} gives no tokenizer to encode text with")
+
+    # ------------------------------------------------------------------ serving's needs
+    # What the runtime-agnostic request server (fractal_opt.serving.server) asks of every runtime.
+    # The defaults fit a runtime without a response cache whose server decodes text itself.
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: a closed engine serves nothing (a Server refuses to start)."""
+        return self.model is None
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The answer's text for generated ``token_ids``: end-of-sequence tokens left out, cut before
+        the plan's first stop sequence. A runtime whose server keeps the streamed text raises."""
+        raise NotImplementedError(f"{type(self).__name__} decodes no token ids; its server keeps the text")
+
+    def lookup_response(self, request: Request, budget: int, *, ignore_eos: bool = False) -> Any | None:
+        """The plan's response cache answer for ``request`` under ``budget`` (None: a miss, or no
+        cache): an object with ``value`` (what :meth:`store_response` stored: ``text``,
+        ``token_ids``, ``prompt_tokens``, ``hit_cap``) and ``kind`` (``"exact"`` / ``"semantic"``).
+        ``ignore_eos`` answers are kept apart: they run past end-of-sequence, so they are others."""
+        return None
+
+    def store_response(self, request: Request, budget: int, value: dict[str, Any], *, ignore_eos: bool = False) -> None:
+        """Remember a finished answer in the plan's response cache (a no-op without one)."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release what this engine holds (a server process, a model reference)."""
 
 
-def as_request(prompt: str | Request | Sequence[dict[str, str]]) -> Request:
-    """A Request from a user message, a Request, or a list of chat messages."""
+def as_request(prompt: str | Request | Sequence[dict[str, str]], *, where: str = "generate()") -> Request:
+    """A Request from a user message, a Request, or a list of chat messages.
+
+    Raises:
+        RecipeError: the messages are not ``{"role", "content"}`` mappings (named after ``where``).
+    """
     if isinstance(prompt, str):
         return Request(id="request", messages=(("user", prompt),))
     if isinstance(prompt, Request):
         return prompt
-    return Request.from_data({"messages": list(prompt)}, index=0, where="generate()")
+    return Request.from_data({"messages": list(prompt)}, index=0, where=where)

