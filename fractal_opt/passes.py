@@ -71,19 +71,44 @@ class Pass:
     layer: ClassVar[Layer]
 
     def check(self, plan: Plan, machine: Machine) -> str | None:
-        """Why this pass cannot apply to ``plan`` on ``machine``, or ``None`` if it can."""
-        return self.unavailable(machine)
+        """Why this pass cannot apply to ``plan`` on ``machine``, or ``None`` if it can.
+
+        Only the pass's own rules: the runner asks :meth:`unavailable` first, skips a pass whose
+        ``apply`` changes nothing ("the plan already has this"), and asks the runtime afterwards
+        whether it can honour the new plan (``Engine.refuse``).
+        """
+        return None
 
     def unavailable(self, machine: Machine) -> str | None:
         """Why this machine cannot run the pass at all (a missing device or package), or ``None``.
 
-        ``check`` covers this and the plan-specific reasons; ``fractal-opt passes`` shows this one.
+        The runner asks it before ``check``; ``fractal-opt passes`` shows it.
         """
         return None
 
     def apply(self, plan: Plan) -> Plan:
         """Return a new plan with this pass applied. Must not touch other layers' sections."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ ramps
+    def expand(self) -> list[Pass]:
+        """The steps the runner runs for this pass, in order: ``[self]``.
+
+        A pass that searches (a concurrency ramp) returns one pass per level; between them the
+        runner asks :meth:`stop` whether to go on, and :meth:`holds` whether to keep a level the
+        policy saw no change in.
+        """
+        return [self]
+
+    def stop(self, status: str, outcome: str) -> str | None:
+        """Why the rest of :meth:`expand`'s steps are skipped after one that ended ``status``
+        (kept / rolled_back / failed / skipped) with verdict ``outcome`` (empty when not judged), or None."""
+        return None
+
+    def holds(self, outcome: str) -> str | None:
+        """Why one of :meth:`expand`'s steps is kept although its verdict ``outcome`` did not keep
+        it (appended to the reason), or None: the policy's verdict stands."""
+        return None
 
     def params(self) -> dict[str, Any]:
         """The pass's parameters as a YAML-friendly dict (tuples become lists)."""

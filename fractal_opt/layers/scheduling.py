@@ -22,7 +22,7 @@ from ..machine import Machine
 from ..passes import Layer, Pass, register
 from ..plan import Plan
 
-__all__ = ["Batching", "Concurrency", "Queue", "Streaming", "expand_ramps"]
+__all__ = ["Batching", "Concurrency", "Queue", "Streaming"]
 
 
 @register
@@ -73,20 +73,13 @@ class Batching(Pass):
         return None
 
     def check(self, plan: Plan, machine: Machine) -> str | None:
-        if reason := self.unavailable(machine):
-            return reason
-        new = self.apply(plan).scheduling
-        if new == plan.scheduling:
-            return f"the plan already serves requests {self.mode} with these settings"
+        # What continuous batching cannot honour in the rest of the plan (beams, stop strings, ...)
+        # is the runtime's to say: Engine.refuse, asked by the runner after this check.
         if self.mode in ("static", "continuous") and plan.model.kv_cache != "dynamic":
             return f"{self.mode} batching needs a dynamic KV cache in this engine; the plan's KV cache is {plan.model.kv_cache!r}"
-        if self.mode == "continuous":
-            if plan.hardware.attention not in ("sdpa", "eager") and not plan.hardware.attention.startswith(("flash", "paged")):
-                return f"continuous batching supports sdpa, eager and flash attention; the plan uses {plan.hardware.attention!r}"
-            from ..runtimes.transformers.continuous import cb_unsupported
-
-            if bad := cb_unsupported(plan):
-                return f"transformers' continuous batching would ignore the plan's {bad}; use static or sequential batching"
+        attention = plan.hardware.attention
+        if self.mode == "continuous" and attention not in ("sdpa", "eager") and not attention.startswith(("flash", "paged")):
+            return f"continuous batching supports sdpa, eager and flash attention; the plan uses {attention!r}"
         return None
 
     def apply(self, plan: Plan) -> Plan:
@@ -140,8 +133,6 @@ class Concurrency(Pass):
     def check(self, plan: Plan, machine: Machine) -> str | None:
         if plan.scheduling.batching == "sequential":
             return "sequential serving runs one request at a time; apply batching (static or continuous) first"
-        if self.mode == "fixed" and plan.scheduling.max_concurrency == self.limit:
-            return f"the plan already runs at most {self.limit} requests at once"
         return None
 
     def apply(self, plan: Plan) -> Plan:
@@ -151,11 +142,27 @@ class Concurrency(Pass):
             changes["batch_size"] = limit  # a static batch is its requests in flight
         return plan.replace_section("scheduling", **changes)
 
-    def steps(self) -> list[Concurrency]:
-        """The fixed-level passes a ramp runs, in order (just ``self`` when fixed)."""
+    def expand(self) -> list[Pass]:
+        """The fixed-level passes a ramp runs, smallest first (just ``self`` when fixed)."""
         if self.mode == "fixed":
             return [self]
         return [Concurrency(mode="fixed", limit=level) for level in self.levels]
+
+    def stop(self, status: str, outcome: str) -> str | None:
+        """A ramp steps up only from a level that held (was kept): a tripped guard, a worse
+        throughput, a failure or a skip ends it, and the last kept level is the answer."""
+        if status == "kept":
+            return None
+        why = {"guard": "a guard tripped", "worse": "throughput got worse", "unmeasured": "its objective could not be measured"}.get(outcome, "")
+        what = {"rolled_back": "was rolled back", "failed": "failed", "skipped": "was skipped"}.get(status, status)
+        return f"the previous level {what}" + (f" ({why})" if why and status == "rolled_back" else "")
+
+    def holds(self, outcome: str) -> str | None:
+        """A level that trips nothing and costs no throughput ("no change") holds and is kept, so
+        the plan's limit is the highest level measured to hold, not a larger default."""
+        if outcome == "no_change":
+            return "no guard tripped (a concurrency ramp keeps the highest level that holds)"
+        return None
 
 
 @register
@@ -171,11 +178,6 @@ class Streaming(Pass):
     layer = Layer.SCHEDULING
 
     enabled: bool = True
-
-    def check(self, plan: Plan, machine: Machine) -> str | None:
-        if plan.scheduling.streaming == self.enabled:
-            return f"streaming is already {'on' if self.enabled else 'off'}"
-        return None
 
     def apply(self, plan: Plan) -> Plan:
         return plan.replace_section("scheduling", streaming=self.enabled)
@@ -202,25 +204,5 @@ class Queue(Pass):
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise RecipeError(f"pass 'queue', parameter 'timeout_s': got {self.timeout_s}, expected seconds > 0 or null (no deadline).")
 
-    def check(self, plan: Plan, machine: Machine) -> str | None:
-        if (plan.scheduling.max_queue, plan.scheduling.timeout_s) == (self.max_queue, self.timeout_s):
-            return f"the plan already queues at most {self.max_queue} requests with timeout {self.timeout_s}"
-        return None
-
     def apply(self, plan: Plan) -> Plan:
         return plan.replace_section("scheduling", max_queue=self.max_queue, timeout_s=self.timeout_s)
-
-
-def expand_ramps(passes: list[Pass]) -> list[tuple[Pass, str | None]]:
-    """Each pass with the ramp it belongs to: a ramping Concurrency becomes one pass per level.
-
-    Returns ``(pass, ramp_id)`` pairs; ``ramp_id`` is None outside a ramp. The pipeline stops a
-    ramp (skips its remaining levels) at the first level that is not kept.
-    """
-    out: list[tuple[Pass, str | None]] = []
-    for index, p in enumerate(passes):
-        if isinstance(p, Concurrency) and p.mode == "ramp":
-            out.extend((step, f"ramp-{index}") for step in p.steps())
-        else:
-            out.append((p, None))
-    return out

@@ -3,12 +3,15 @@
 Rollback is free: a pass returns a new Plan, and rolling it back means keeping the previous one.
 Every step is written to the output folder as it finishes (``trace.json``, ``report.md`` and
 ``recipe.yaml`` of the best plan so far), so a failed or killed run never loses work.
+
+The runner knows no particular pass or runtime. It asks a pass through its protocol (``expand``,
+``unavailable``, ``check``, ``apply``; :mod:`.gate`), a runtime through the Engine protocol
+(``refuse``, ``prepare``, ``serve``, ``census``), and the recipe's policy for the verdict.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -16,21 +19,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import runtimes
+from ..engine.protocol import Engine
 from ..errors import EngineError
-from ..layers.scheduling import expand_ramps
 from ..machine import Machine, resolve_device
-from ..measure.machine_limits import probe_limits
+from ..measure.machine_limits import MachineLimits, probe_limits
 from ..measure.runner import Measurement
-from ..passes import Layer
+from ..passes import Pass
 from ..plan import Plan
 from ..quality.evals import load_eval_set, score
 from ..quality.probes import agreement, agreement_between, build_reference, model_probes
 from ..recipe import Recipe, dump_recipe, load_recipe
-from ..runtimes import Engine
-from .step_measurement import StepMeasurer
+from ..workload import Request
+from .gate import expand_ramps, skip_reason
+from .progress import Progress
+from .step_measurement import Comparison, StepMeasurer
 from .trace import Step, Trace
 
 __all__ = ["Pipeline", "Result", "optimize"]
+
+# What a build function looks like: fractal_opt.runtimes.build, or a test's fake.
+Build = Callable[..., Engine]
 
 
 @dataclass
@@ -46,33 +55,6 @@ class Result:
         return self.trace._repr_html_()
 
 
-class Progress:
-    """A live status line on stderr (a plain line per update when stderr is not a terminal)."""
-
-    def __init__(self, enabled: bool = True, stream=None):
-        self.enabled = enabled
-        self.stream = stream or sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.t0 = time.perf_counter()
-
-    def __call__(self, message: str) -> None:
-        if not self.enabled:
-            return
-        line = f"[{time.perf_counter() - self.t0:6.1f}s] {message}"
-        if self.tty:
-            self.stream.write("\r\033[K" + line[:200])
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def done(self, message: str) -> None:
-        if self.enabled and self.tty:
-            self.stream.write("\r\033[K")
-        self(message)
-        if self.enabled and self.tty:
-            self.stream.write("\n")
-
-
 class Pipeline:
     """Run a recipe: measure the baseline, then try each pass in tower order.
 
@@ -81,153 +63,196 @@ class Pipeline:
         out_dir: where trace.json, report.md and recipe.yaml are written after every step (None = nowhere).
         progress: show a live status line on stderr.
         machine: a probed Machine (probed here when None).
+        build: ``build(plan, *, machine, progress, max_new_tokens) -> Engine``; None = the runtime the
+            plan names (:func:`fractal_opt.runtimes.build`). Tests pass a fake
+            (:meth:`fractal_opt.testing.FakeEngine.factory`), as httpx tests pass a MockTransport.
+        refuse: ``refuse(plan) -> str | None``, what the runtime cannot honour; None = the runtime's
+            own (:func:`fractal_opt.runtimes.refuse`).
+        limits: the machine's bandwidth and matmul ceilings (probed here, cached per machine, when None).
     """
 
-    def __init__(self, recipe: Recipe | str | Path | dict, *, out_dir: str | Path | None = None, progress: bool | Callable[[str], None] = True, machine: Machine | None = None):
+    def __init__(
+        self,
+        recipe: Recipe | str | Path | dict,
+        *,
+        out_dir: str | Path | None = None,
+        progress: bool | Callable[[str], None] = True,
+        machine: Machine | None = None,
+        build: Build | None = None,
+        refuse: Callable[[Plan], str | None] | None = None,
+        limits: MachineLimits | None = None,
+    ):
         self.recipe = load_recipe(recipe)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress = progress if callable(progress) else Progress(bool(progress))
         self.machine = machine
+        self.build = build or runtimes.build
+        self.refuse = refuse or runtimes.refuse
+        self.limits = limits
         # Loaded now, so a bad eval set or probe fails before any model is loaded.
         self._eval_items = load_eval_set(self.recipe.quality.eval) if self.recipe.quality.eval else []
         self._probes = self.recipe.quality.load_probes()
+        # The state of one run, set by run(): the kept plan and what was measured for it.
+        self._trace = Trace(recipe=self.recipe.to_dict())
+        self._requests: list[Request] = []
+        self._steps: StepMeasurer | None = None
+        self._reference: Any = None  # the baseline's reference logits and outputs (quality probes)
+        self._model_probes: dict[tuple, dict[str, float]] = {}  # by Plan.numerics_key()
+        self._plan = self.recipe.base_plan()
+        self._current: Measurement | None = None
+        self._current_quality: dict[str, Any] = {}
+        self._weight_mb: float | None = None  # the kept plan's weights (census), MB
 
+    # ------------------------------------------------------------------ the run
     def run(self) -> Result:
-        recipe = self.recipe
-        say = self.progress
         machine = self.machine or Machine.probe()
-        trace = Trace(recipe=recipe.to_dict(), machine=machine.to_dict())
-        requests = recipe.workload.requests()
-        # A concurrency ramp runs as one step per level (layers/scheduling.py: expand_ramps).
-        schedule = expand_ramps(list(recipe.passes))
-        total = len(schedule)
+        self._trace = Trace(recipe=self.recipe.to_dict(), machine=machine.to_dict())
+        self._model_probes = {}
+        self._requests = self.recipe.workload.requests()
+        schedule = expand_ramps(list(self.recipe.passes))
+        self._baseline(machine)
+        last_ramp: Pass | None = None
+        last_outcome = ""  # the last judged step's Verdict.outcome ("" when it was not judged)
+        for index, (p, ramp) in enumerate(schedule, start=1):
+            label = f"[{index}/{len(schedule)}] {p.layer.section}/{p.describe()}"
+            step = Step(pass_name=p.name, layer=p.layer.section, params=p.params(), status="", reason="")
+            previous = self._trace.steps[-1] if self._trace.steps else None
+            if ramp is not None and ramp is last_ramp and previous is not None and (stop := ramp.stop(previous.status, last_outcome)):
+                # A ramp steps up only from a level that held; its last kept level is its answer.
+                self._skip(step, label, f"{ramp.name} ramp stopped: {stop}")
+            else:
+                last_outcome = self._try(p, ramp, step, label, machine)
+            last_ramp = ramp
+            self._record(step)
 
-        # --- baseline, measured twice (A/A) to calibrate the noise of this machine and workload
-        plan = recipe.base_plan()
-        say("probing the machine's bandwidth and matmul ceilings (cached per machine)")
-        limits = probe_limits(resolve_device(plan.hardware.device, machine), machine=machine)
+        self._trace.finished = True
+        self._save()
+        if isinstance(self.progress, Progress):
+            self.progress.done("done" + (f": results in {self.out_dir}" if self.out_dir else ""))
+        return Result(plan=self._plan, trace=self._trace, recipe=self._trace.to_recipe(), out_dir=self.out_dir)
+
+    def _baseline(self, machine: Machine) -> None:
+        """Build and measure the recipe's base plan twice (A/A) to calibrate this machine's noise."""
+        recipe, say, trace = self.recipe, self.progress, self._trace
+        plan = self._plan = recipe.base_plan()
+        limits = self.limits
+        if limits is None:
+            say("probing the machine's bandwidth and matmul ceilings (cached per machine)")
+            limits = probe_limits(resolve_device(plan.hardware.device, machine), machine=machine)
         trace.machine["limits"] = limits.to_dict()
-        steps = StepMeasurer(machine=machine, workload=recipe.workload, requests=requests, min_effect=recipe.policy.min_effect, limits=limits, progress=say)
-        refused, _ = steps.preflight(plan)
+        self._steps = StepMeasurer(machine=machine, workload=recipe.workload, requests=self._requests, min_effect=recipe.policy.min_effect,
+                                   limits=limits, progress=say, build=self.build)
+        refused, _ = self._steps.preflight(plan)
         if refused:
             raise EngineError(f"the baseline cannot run on this machine: {refused}")
         say(f"baseline: loading {recipe.model}")
-        t0 = time.perf_counter()
-        engine = Engine.build(plan, machine=machine, progress=say, max_new_tokens=recipe.workload.max_new_tokens)
-        build_s = time.perf_counter() - t0
+        engine, timings = self._build(plan, machine)
         # The reference is scored before any measurement, so the memory it holds is part of every
         # measurement alike (baseline included) and cannot masquerade as a pass's memory cost.
         say("baseline: scoring the reference text")
         self._reference = build_reference(engine, {}, recipe.quality)
-        self._model_probes: dict[tuple, dict[str, float]] = {}
-        current, trace.calibration = steps.calibrate(engine, "baseline (A/A calibration, interleaved)")
+        current, trace.calibration = self._steps.calibrate(engine, "baseline (A/A calibration, interleaved)")
         self._reference.outputs = current.outputs
-        current_quality = self._quality(engine, current, "baseline")
+        quality = self._quality(engine, current, "baseline")
         trace.baseline = Step(
             pass_name="baseline", layer="-", params={}, status="baseline",
             reason="plain transformers: " + _plan_text(plan),
-            metrics=_metrics(current, current_quality), plan=plan.to_dict(), census=engine.census(),
-            timings={"build_s": round(build_s, 2), "warmup_s": round(current.warmup_s, 2)},
+            metrics=_metrics(current, quality), plan=plan.to_dict(), census=engine.census(),
+            timings={**timings, "warmup_s": round(current.warmup_s, 2)},
         )
-        trace.baseline.metrics["roofline"] = steps.roofline(engine, current)
-        baseline_metrics = trace.baseline.metrics
+        trace.baseline.metrics["roofline"] = self._steps.roofline(engine, current)
         # The weights the plan holds, from the census: peak RSS cannot show a quantization's
         # saving while the previous plan's model is resident for interleaved measurement.
-        baseline_metrics["weight_mb"] = self._weight_mb = round(trace.baseline.census["weight_bytes"] / 2**20, 1)
-        self._save(trace, plan, recipe)
+        self._weight_mb = trace.baseline.metrics["weight_mb"] = round(trace.baseline.census["weight_bytes"] / 2**20, 1)
+        self._current, self._current_quality = current, quality
+        self._finish()
+        self._save()
 
-        # --- the passes, bottom up
-        outcome = ""  # the last judged step's Verdict.outcome
-        for index, (p, ramp) in enumerate(schedule, start=1):
-            label = f"[{index}/{total}] {p.layer.section}/{p.describe()}"
-            step = Step(pass_name=p.name, layer=p.layer.section, params=p.params(), status="", reason="")
-            if ramp is not None and index > 1 and schedule[index - 2][1] == ramp and (stop := _ramp_stop(trace.steps[-1], outcome)):
-                # Step up only from a level that held; the last kept level is the ramp's answer.
-                step.status, step.reason = "skipped", f"concurrency ramp stopped: {stop}"
-                say(f"{label}: skipped ({step.reason})")
-                self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
-                continue
-            outcome = ""
-            reason = p.check(plan, machine)
-            if reason is not None:
-                step.status, step.reason = "skipped", f"check: {reason}"
-                say(f"{label}: skipped ({reason})")
-                self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
-                continue
-            candidate = p.apply(plan).with_applied(p.name)
-            refused, numbers = steps.preflight(candidate)
-            if refused:
-                step.status, step.reason, step.metrics = "skipped", refused, {"preflight": numbers}
-                say(f"{label}: skipped ({refused})")
-                self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
-                continue
-            try:
-                mode = steps.before_build(candidate, plan)
-                say(f"{label}: building")
-                t0 = time.perf_counter()
-                engine = Engine.build(candidate, machine=machine, progress=say, max_new_tokens=recipe.workload.max_new_tokens)
-                step.timings["build_s"] = round(time.perf_counter() - t0, 2)
-                step.census = engine.census()
-                if candidate.hardware.compile is not None:
-                    # Start-up cost a user pays once: compile every shape the suite needs (full
-                    # budget, so the static cache reaches its final size) before the clock runs.
-                    say(f"{label}: compiling the decode step (start-up cost, shown as compile_s, excluded from the numbers)")
-                    t0 = time.perf_counter()
-                    engine.serve(requests, max_new_tokens=recipe.workload.max_new_tokens, seed=recipe.workload.seed)
-                    step.timings["compile_s"] = round(time.perf_counter() - t0, 2)
-                t0 = time.perf_counter()
-                cmp = steps.compare(engine, current, mode=mode, objective=recipe.policy.objective_for(p.layer), label=label)
-                current, after = cmp.before, cmp.after
-                step.timings["warmup_s"] = round(after.warmup_s, 2)
-                step.timings["measure_s"] = round(time.perf_counter() - t0, 2)
-                quality = self._quality(engine, after, label)
-                if p.layer is Layer.SCHEDULING and not candidate.application.do_sample:
-                    # Path equivalence: with greedy decoding a serving path must not change a token.
-                    quality.update(path_agreement=agreement_between(current.outputs, after.outputs))
-            except (Exception, MemoryError) as e:  # a failing pass is recorded and rolled back; the run goes on
-                step.status = "failed"
-                step.reason = f"{type(e).__name__}: {e}".strip()[:500]
-                step.timings["traceback"] = traceback.format_exc(limit=3)[-2000:]  # type: ignore[assignment]
-                say(f"{label}: failed ({step.reason[:120]})")
-                self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
-                continue
-            step.metrics = _metrics(after, quality)
-            step.metrics["weight_mb"] = round(step.census["weight_bytes"] / 2**20, 1)
-            step.metrics.update(intervals=cmp.intervals, comparison=cmp.info, roofline=steps.roofline(engine, after))
-            bands, changes = cmp.bands, cmp.changes
-            before_values = {**_metrics(current, current_quality), "weight_mb": self._weight_mb}
-            after_values = {**step.metrics, **quality}
-            before_values.update(current_quality)
-            if self._weight_mb:  # a census number: exact, so no noise band
-                changes = {**changes, "weight_mb": step.metrics["weight_mb"] / self._weight_mb - 1}
-            baseline_values = {**{k: v for k, v in baseline_metrics.items() if k != "quality"}, **baseline_metrics["quality"]}
-            verdict = recipe.policy.judge(p.layer, before_values, after_values, changes, bands, baseline=baseline_values)
-            step.changes, step.bands = verdict.changes, verdict.bands
-            step.plan = candidate.to_dict()
-            kept, step.reason, outcome = verdict.kept, verdict.reason, verdict.outcome
-            if ramp is not None and outcome == "no_change":
-                # A ramp searches for the highest level that holds (the issue's "last level where
-                # no guard trips"): a level that trips nothing and costs no throughput is kept, so
-                # the plan's limit is the level measured, not a larger default.
-                kept, step.reason = True, f"holds, {step.reason}; no guard tripped (a concurrency ramp keeps the highest level that holds)"
-            step.status = "kept" if kept else "rolled_back"
-            if "compile_s" in step.timings:  # a start-up cost the numbers exclude: shown where the verdict is read
-                step.reason += f" Start-up: compiling took {step.timings['compile_s']:.1f} s (excluded from the numbers above)."
-            say(f"{label}: {step.status.replace('_', ' ')} ({step.reason[:150]})")
-            steps.after_verdict(kept, engine, plan if not kept else candidate, mode)
-            if kept:
-                plan, current, current_quality = candidate, after, quality
-                self._weight_mb = step.metrics["weight_mb"]
-            self._record(trace, step, plan, recipe, baseline_metrics, current, current_quality)
+    def _try(self, p: Pass, ramp: Pass | None, step: Step, label: str, machine: Machine) -> str:
+        """One pass: skip it, or build, measure and judge it; returns the verdict's outcome ("" unjudged)."""
+        if (reason := skip_reason(p, self._plan, machine, refuse=self.refuse)) is not None:
+            self._skip(step, label, reason)
+            return ""
+        assert self._steps is not None and self._current is not None
+        candidate = p.apply(self._plan).with_applied(p.name)
+        refused, numbers = self._steps.preflight(candidate)
+        if refused:
+            step.metrics = {"preflight": numbers}
+            self._skip(step, label, refused)
+            return ""
+        try:
+            mode = self._steps.before_build(candidate, self._plan)
+            self.progress(f"{label}: building")
+            engine, timings = self._build(candidate, machine)
+            step.timings.update(timings)
+            step.census = engine.census()
+            t0 = time.perf_counter()
+            cmp = self._steps.compare(engine, self._current, mode=mode, objective=self.recipe.policy.objective_for(p.layer), label=label)
+            self._current = cmp.before
+            step.timings["warmup_s"] = round(cmp.after.warmup_s, 2)
+            step.timings["measure_s"] = round(time.perf_counter() - t0, 2)
+            quality = self._quality(engine, cmp.after, label)
+            if "path_agreement" in self._guarded(p) and not candidate.application.do_sample:
+                # Path equivalence: with greedy decoding a serving path must not change a token.
+                quality.update(path_agreement=agreement_between(self._current.outputs, cmp.after.outputs))
+        except (Exception, MemoryError) as e:  # a failing pass is recorded and rolled back; the run goes on
+            step.status = "failed"
+            step.reason = f"{type(e).__name__}: {e}".strip()[:500]
+            step.timings["traceback"] = traceback.format_exc(limit=3)[-2000:]  # type: ignore[assignment]
+            self.progress(f"{label}: failed ({step.reason[:120]})")
+            return ""
+        return self._judge(p, ramp, step, label, candidate, engine, cmp, quality, mode)
 
-        trace.finished = True
-        self._finish(trace, plan, baseline_metrics, current, current_quality)
-        self._save(trace, plan, recipe)
-        if isinstance(self.progress, Progress):
-            self.progress.done("done" + (f": results in {self.out_dir}" if self.out_dir else ""))
-        return Result(plan=plan, trace=trace, recipe=trace.to_recipe(), out_dir=self.out_dir)
+    def _judge(self, p: Pass, ramp: Pass | None, step: Step, label: str, candidate: Plan, engine: Engine, cmp: Comparison,
+               quality: dict[str, Any], mode: str) -> str:
+        """Judge a measured step against the kept plan; keep it or roll it back. Returns the outcome."""
+        assert self._steps is not None and self._trace.baseline is not None
+        after = cmp.after
+        step.metrics = _metrics(after, quality)
+        step.metrics["weight_mb"] = round(step.census["weight_bytes"] / 2**20, 1)
+        step.metrics.update(intervals=cmp.intervals, comparison=cmp.info, roofline=self._steps.roofline(engine, after))
+        before_values = {**_metrics(cmp.before, self._current_quality), "weight_mb": self._weight_mb, **self._current_quality}
+        after_values = {**step.metrics, **quality}
+        changes = cmp.changes
+        if self._weight_mb:  # a census number: exact, so no noise band
+            changes = {**changes, "weight_mb": step.metrics["weight_mb"] / self._weight_mb - 1}
+        baseline_metrics = self._trace.baseline.metrics
+        baseline_values = {**{k: v for k, v in baseline_metrics.items() if k != "quality"}, **baseline_metrics["quality"]}
+        verdict = self.recipe.policy.judge(p.layer, before_values, after_values, changes, cmp.bands, baseline=baseline_values)
+        step.changes, step.bands = verdict.changes, verdict.bands
+        step.plan = candidate.to_dict()
+        kept, step.reason = verdict.kept, verdict.reason
+        if ramp is not None and (note := ramp.holds(verdict.outcome)):
+            kept, step.reason = True, f"holds, {step.reason}; {note}"
+        step.status = "kept" if kept else "rolled_back"
+        if "compile_s" in step.timings:  # a start-up cost the numbers exclude: shown where the verdict is read
+            step.reason += f" Start-up: compiling took {step.timings['compile_s']:.1f} s (excluded from the numbers above)."
+        self.progress(f"{label}: {step.status.replace('_', ' ')} ({step.reason[:150]})")
+        self._steps.after_verdict(kept, engine, candidate if kept else self._plan, mode)
+        if kept:
+            self._plan, self._current, self._current_quality = candidate, after, quality
+            self._weight_mb = step.metrics["weight_mb"]
+        return verdict.outcome
 
     # ------------------------------------------------------------------ helpers
+    def _build(self, plan: Plan, machine: Machine) -> tuple[Engine, dict[str, float]]:
+        """Build ``plan``, then let the runtime do its start-up work (``Engine.prepare``: compiling
+        every shape the suite needs) before any clock runs. Returns the engine and the timings."""
+        workload = self.recipe.workload
+        t0 = time.perf_counter()
+        engine = self.build(plan, machine=machine, progress=self.progress, max_new_tokens=workload.max_new_tokens)
+        timings = {"build_s": round(time.perf_counter() - t0, 2)}
+        timings.update({name: round(seconds, 2) for name, seconds in engine.prepare(self._requests, workload).items()})
+        return engine, timings
+
+    def _guarded(self, p: Pass) -> set[str]:
+        """The metrics the policy guards for ``p``'s layer (what the step must measure)."""
+        return {g.metric for g in self.recipe.policy.guards_for(p.layer)}
+
+    def _skip(self, step: Step, label: str, reason: str) -> None:
+        step.status, step.reason = "skipped", reason
+        self.progress(f"{label}: skipped ({reason.removeprefix('check: ')})")
+
     def _quality(self, engine: Engine, m: Measurement, label: str) -> dict[str, Any]:
         """Quality of the engine against the baseline. Model-level probes are recomputed only
         when the plan's numerics changed; the eval set and custom probes run on every step."""
@@ -247,25 +272,29 @@ class Pipeline:
             out.update({f"{name}.{k}": float(v) for k, v in values.items()})
         return out
 
-    def _record(self, trace: Trace, step: Step, plan: Plan, recipe: Recipe, baseline_metrics, current: Measurement, quality) -> None:
-        trace.steps.append(step)
-        self._finish(trace, plan, baseline_metrics, current, quality)
-        self._save(trace, plan, recipe)
+    def _record(self, step: Step) -> None:
+        self._trace.steps.append(step)
+        self._finish()
+        self._save()
 
-    def _finish(self, trace: Trace, plan: Plan, baseline_metrics: dict, current: Measurement, quality) -> None:
-        now = _metrics(current, quality or {})
-        now["weight_mb"] = getattr(self, "_weight_mb", None)
+    def _finish(self) -> None:
+        """The best plan so far against the baseline (``trace.final``)."""
+        assert self._current is not None and self._trace.baseline is not None
+        baseline_metrics = self._trace.baseline.metrics
+        now = _metrics(self._current, self._current_quality)
+        now["weight_mb"] = self._weight_mb
         vs = {}
         for m in ("decode_tokens_per_s", "ttft_ms", "e2e_ms", "throughput_tokens_per_s", "weight_mb"):
             b, a = baseline_metrics.get(m), now.get(m)
             if b and a is not None:
                 vs[m] = round(a / b - 1, 4)
-        kept = [f"{s.layer}/{s.pass_name}" for s in trace.steps if s.status == "kept"]
-        trace.final = {"plan": plan.to_dict(), "kept": kept, "metrics": now, "vs_baseline": vs}
+        kept = [f"{s.layer}/{s.pass_name}" for s in self._trace.steps if s.status == "kept"]
+        self._trace.final = {"plan": self._plan.to_dict(), "kept": kept, "metrics": now, "vs_baseline": vs}
 
-    def _save(self, trace: Trace, plan: Plan, recipe: Recipe) -> None:
+    def _save(self) -> None:
         if self.out_dir is None:
             return
+        recipe, trace = self.recipe, self._trace
         self.out_dir.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.out_dir / "trace.json", trace.to_json())
         _atomic_write(self.out_dir / "report.md", trace.to_markdown())
@@ -283,19 +312,6 @@ def _metrics(m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:
     out.update({k: v for k, v in m.extra.items() if k in ("gpu", "cuda_max_reserved_mb", "capacity_mb", "load")})  # GPU telemetry: "unavailable" on CPU; load: the profile and per-round request counts
     out["quality"] = dict(quality)
     return out
-
-
-def _ramp_stop(previous: Step, outcome: str) -> str | None:
-    """Why a concurrency ramp stops after ``previous`` (its last level), or None to step up.
-
-    A level holds when it is kept: throughput rose, or stayed within noise, and no guard tripped.
-    A tripped guard, a worse objective, a failure or a skip ends the ramp.
-    """
-    if previous.status == "kept":
-        return None
-    why = {"guard": "a guard tripped", "worse": "throughput got worse", "unmeasured": "its objective could not be measured"}.get(outcome, "")
-    what = {"rolled_back": "was rolled back", "failed": "failed", "skipped": "was skipped"}.get(previous.status, previous.status)
-    return f"the previous level {what}" + (f" ({why})" if why and previous.status == "rolled_back" else "")
 
 
 def _plan_text(plan: Plan) -> str:

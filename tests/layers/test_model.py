@@ -7,6 +7,7 @@ from conftest import PadTokenizer, quiet
 
 from fractal_opt.errors import EngineError, RecipeError, RequestRejected
 from fractal_opt.layers.model import ContextCap, KVCache, Quantize
+from fractal_opt.pipeline.gate import skip_reason
 from fractal_opt.plan import Plan
 from fractal_opt.quant_select import check_skip, expand, skipped
 from fractal_opt.runtimes import Engine
@@ -195,8 +196,8 @@ def test_quanto_kv_cache_has_no_8_bits():
 
 def test_quantized_kv_cache_needs_its_package(machine):
     """A quantized KV cache is refused without its backend package and allowed with it."""
-    assert "optimum-quanto" in KVCache(implementation="quantized").check(PLAN, machine)
-    assert KVCache(implementation="quantized", backend="hqq", bits=8).check(PLAN, WITH_QUANTO) is None
+    assert "optimum-quanto" in skip_reason(KVCache(implementation="quantized"), PLAN, machine)
+    assert skip_reason(KVCache(implementation="quantized", backend="hqq", bits=8), PLAN, WITH_QUANTO) is None
 
 
 def test_offloaded_kv_cache_is_gpu_only(machine):

@@ -6,7 +6,8 @@ import pytest
 
 from fractal_opt.errors import RecipeError
 from fractal_opt.layers.application import MaxNewTokens
-from fractal_opt.layers.scheduling import Batching, Concurrency, Queue, Streaming, expand_ramps
+from fractal_opt.layers.scheduling import Batching, Concurrency, Queue, Streaming
+from fractal_opt.pipeline.gate import expand_ramps, skip_reason
 from fractal_opt.plan import ApplicationPlan, ModelPlan, Plan, SchedulingPlan
 from fractal_opt.serving.server import in_flight_limit
 from fractal_opt.testing import check_pass
@@ -37,13 +38,13 @@ def test_sequential_batching_resets_the_batch_size():
 def test_batching_check_refuses_what_the_engine_cannot_do(machine):
     """Continuous batching needs a dynamic cache and no option it would ignore (repetition penalty, beams); a no-op is refused too."""
     static_cache = Plan(source="tiny", model=ModelPlan(kv_cache="static"))
-    assert "dynamic KV cache" in Batching(mode="continuous").check(static_cache, machine)
+    assert "dynamic KV cache" in skip_reason(Batching(mode="continuous"), static_cache, machine)
     penalty = Plan(source="tiny", application=ApplicationPlan(repetition_penalty=1.2))
-    assert "repetition_penalty" in Batching(mode="continuous").check(penalty, machine)
+    assert "repetition_penalty" in skip_reason(Batching(mode="continuous"), penalty, machine)
     beams = Plan(source="tiny", application=ApplicationPlan(num_beams=2))
-    assert "num_beams" in Batching(mode="continuous").check(beams, machine)
-    assert Batching(mode="continuous").check(PLAN, machine) is None
-    assert "already" in Batching(mode="sequential", batch_size=1).check(PLAN, machine)
+    assert "num_beams" in skip_reason(Batching(mode="continuous"), beams, machine)
+    assert skip_reason(Batching(mode="continuous"), PLAN, machine) is None
+    assert "already" in skip_reason(Batching(mode="sequential", batch_size=1), PLAN, machine)
 
 
 def test_batching_rejects_bad_parameters_by_name():
@@ -84,7 +85,7 @@ def test_a_ramp_expands_to_rising_levels_and_starts_small():
 def test_streaming_and_queue_set_their_fields(machine):
     """streaming(enabled) and queue(max_queue, timeout_s) change only their own fields; bad values are refused."""
     off = Streaming(enabled=False).apply(PLAN)
-    assert off.scheduling.streaming is False and Streaming(enabled=True).check(PLAN, machine)
+    assert off.scheduling.streaming is False and skip_reason(Streaming(enabled=True), PLAN, machine)
     q = Queue(max_queue=4, timeout_s=2.5).apply(PLAN)
     assert (q.scheduling.max_queue, q.scheduling.timeout_s) == (4, 2.5)
     assert q.scheduling.batching == PLAN.scheduling.batching

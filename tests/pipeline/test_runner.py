@@ -1,30 +1,48 @@
-"""The pipeline end to end on the tiny model: measure, try each pass, keep or roll back, write the results."""
+"""The pipeline's flow on the fake engine: measure, try each pass, keep or roll back, write the results."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from conftest import small_recipe_dict
 
+from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.pipeline.runner import Pipeline
 from fractal_opt.recipe import load_recipe
-from fractal_opt.runtimes.transformers.engine import TransformersEngine
+from fractal_opt.testing import FakeEngine, cpu_machine
 
+# Ceilings handed to the runner, so no test waits for a machine probe (the fake's numbers are far below them).
+LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
 METRIC_KEYS = ("prefill_ms", "ttft_ms", "decode_tokens_per_s", "peak_memory_mb", "e2e_ms")
 STEP_KEYS = ("pass", "layer", "params", "status", "reason", "metrics")
 
 
 @pytest.fixture(scope="module")
-def run(tiny_dir, mixed_suite, small_recipe, tmp_path_factory):
+def fake_model(tmp_path_factory):
+    """A model folder the recipe accepts; the fake engine never reads it (no weights, no config fields)."""
+    path = tmp_path_factory.mktemp("fake") / "model"
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "fake"}', encoding="utf-8")
+    return path
+
+
+def _run(recipe, out=None, **fake):
+    """One run of ``recipe`` on fake engines built with ``FakeEngine.factory(**fake)``."""
+    return Pipeline(recipe, out_dir=out, progress=False, machine=cpu_machine(), build=FakeEngine.factory(**fake), refuse=FakeEngine.refuse,
+                    limits=LIMITS).run()
+
+
+@pytest.fixture(scope="module")
+def run(fake_model, mixed_suite, tmp_path_factory):
     """One pipeline run: kv_cache off (model layer), then a 2-token cap (application layer).
 
-    The workload holds a short and a ~1000-token prompt from the default suite, 16 new tokens each:
-    without a KV cache every decode step recomputes the whole prompt, so decode is many times slower.
-    The recipe removes the default ttft_ms guard of the application layer (``ttft_ms: null``): the
-    cap does not change TTFT, and on a shared machine TTFT noise alone could otherwise trip it.
+    The workload holds a short and a long prompt, 16 new tokens each; the fake engine decodes 5x
+    slower without a KV cache, as a real one does on long prompts. The recipe removes the default
+    ttft_ms guard of the application layer (``ttft_ms: null``): the cap does not change TTFT.
     """
-    recipe = small_recipe(
-        tiny_dir,
+    recipe = small_recipe_dict(
+        fake_model,
         suite=str(mixed_suite),
         limit=None,
         max_new_tokens=16,
@@ -32,8 +50,7 @@ def run(tiny_dir, mixed_suite, small_recipe, tmp_path_factory):
         passes={"application": [{"max_new_tokens": {"limit": 2}}], "model": [{"kv_cache": {"implementation": "off"}}]},
     )
     out = tmp_path_factory.mktemp("pipeline-out")
-    result = Pipeline(recipe, out_dir=out, progress=False).run()
-    return result, out
+    return _run(recipe, out, speed={"model.kv_cache": {"off": 0.2}}), out
 
 
 def _step(result, name):
@@ -120,24 +137,16 @@ def test_written_recipe_rebuilds_the_final_plan(run):
     assert recipe == result.recipe
 
 
-def test_skipped_and_failed_passes_do_not_stop_the_run(tiny_dir, small_recipe, tmp_path, monkeypatch):
+def test_skipped_and_failed_passes_do_not_stop_the_run(fake_model, tmp_path):
     """A pass check refuses is 'skipped' with its reason; a pass whose build raises is 'failed' and the next pass still runs."""
-    original = TransformersEngine.build.__func__
-
-    def build(cls, plan, **kwargs):
-        if plan.hardware.dtype == "float16":
-            raise RuntimeError("simulated out of memory while loading float16 weights")
-        return original(cls, plan, **kwargs)
-
-    monkeypatch.setattr(TransformersEngine, "build", classmethod(build))
-    recipe = small_recipe(
-        tiny_dir, limit=1, max_new_tokens=4, repeats=1, warmup=0,
+    recipe = small_recipe_dict(
+        fake_model, limit=1, max_new_tokens=4, repeats=1, warmup=0,
         passes={
             "hardware": [{"dtype": {"dtype": "float32"}}, {"dtype": {"dtype": "float16"}}],
             "application": [{"max_new_tokens": {"limit": 2}}],
         },
     )
-    result = Pipeline(recipe, out_dir=tmp_path, progress=False).run()
+    result = _run(recipe, tmp_path, fail={"hardware.dtype": {"float16": "simulated out of memory while loading float16 weights"}})
     skipped, failed, last = result.trace.steps
     assert skipped.status == "skipped"
     assert skipped.reason.startswith("check:") and "already runs in float32" in skipped.reason
@@ -148,3 +157,67 @@ def test_skipped_and_failed_passes_do_not_stop_the_run(tiny_dir, small_recipe, t
     assert last.metrics, "the pass after a failure was not measured"
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert [s["status"] for s in trace["steps"]][:2] == ["skipped", "failed"]
+
+
+def test_a_pass_that_changes_nothing_is_skipped_without_a_build(fake_model):
+    """A pass whose apply leaves the plan as it is is skipped by the runner ("already"), never measured."""
+    recipe = small_recipe_dict(fake_model, limit=1, max_new_tokens=4, repeats=1, warmup=0, passes={"model": [{"kv_cache": {"implementation": "dynamic"}}]})
+    (step,) = _run(recipe).trace.steps
+    assert step.status == "skipped" and "already" in step.reason and not step.metrics
+
+
+def test_the_runtime_refusal_skips_the_step_with_its_reason(fake_model):
+    """After the pass's check, the runtime's refuse(candidate) can skip the step; its reason is the step's."""
+    recipe = small_recipe_dict(fake_model, limit=1, max_new_tokens=4, repeats=1, warmup=0, passes={"hardware": [{"dtype": {"dtype": "bfloat16"}}]})
+    result = Pipeline(recipe, progress=False, machine=cpu_machine(), build=FakeEngine.factory(), limits=LIMITS,
+                      refuse=lambda plan: "no bf16 here" if plan.hardware.dtype == "bfloat16" else None).run()
+    (step,) = result.trace.steps
+    assert step.status == "skipped" and step.reason.endswith("no bf16 here")
+    assert result.plan.hardware.dtype == "float32"
+
+
+def test_start_up_work_is_timed_and_named_in_the_reason(fake_model):
+    """What Engine.prepare reports (compile_s) lands in the step's timings and its reason, excluded from the numbers."""
+    recipe = small_recipe_dict(fake_model, limit=1, max_new_tokens=4, repeats=1, warmup=0, passes={"hardware": [{"compile": {"mode": "default"}}]})
+    (step,) = _run(recipe).trace.steps
+    assert step.timings["compile_s"] > 0 and "compiling took" in step.reason
+
+
+# Throughput is tokens over the wall clock, which the fake's sleeps only bound from below: on a
+# busy shared CPU a wake-up can come late by a few percent. 10 ms a token and a 25% noise band
+# keep that jitter inside "no change", while the speed steps below are 50% and more.
+RAMP_CLOCK = {"per_token_ms": 10.0, "prefill_ms": 5.0}
+
+
+def _ramp_recipe(fake_model):
+    return small_recipe_dict(
+        fake_model, limit=2, max_new_tokens=4, repeats=1, warmup=0, policy={"min_effect": 0.25},
+        passes={"scheduling": [{"batching": {"mode": "static", "batch_size": 2}}, {"concurrency": {"mode": "ramp", "levels": [2, 4, 8]}}]},
+    )
+
+
+def test_a_ramp_steps_up_while_levels_hold_and_keeps_the_last(fake_model):
+    """Each level that raises throughput is kept and the ramp steps up; the plan ends at the highest level."""
+    speed = {"scheduling.batching": {"static": 2.0}, "scheduling.max_concurrency": {2: 1.5, 4: 2.5, 8: 4.0}}
+    result = _run(_ramp_recipe(fake_model), **RAMP_CLOCK, speed=speed)
+    assert [s.status for s in result.trace.steps] == ["kept", "kept", "kept", "kept"], [s.reason for s in result.trace.steps]
+    assert result.plan.scheduling.max_concurrency == 8
+
+
+def test_a_ramp_stops_after_a_level_that_did_not_hold(fake_model):
+    """A level that makes throughput worse is rolled back and the ramp's next levels are skipped, saying why."""
+    speed = {"scheduling.batching": {"static": 2.0}, "scheduling.max_concurrency": {2: 2.0, 4: 0.5}}
+    result = _run(_ramp_recipe(fake_model), **RAMP_CLOCK, speed=speed)
+    _, two, four, eight = result.trace.steps
+    assert (two.status, four.status) == ("kept", "rolled_back"), (two.reason, four.reason)
+    assert eight.status == "skipped" and eight.reason == "concurrency ramp stopped: the previous level was rolled back (throughput got worse)"
+    assert result.plan.scheduling.max_concurrency == 2
+
+
+def test_a_ramp_level_with_no_change_holds(fake_model):
+    """A level that trips nothing and changes nothing beyond noise holds: kept, and the ramp goes on."""
+    speed = {"scheduling.batching": {"static": 2.0}}
+    result = _run(_ramp_recipe(fake_model), **RAMP_CLOCK, speed=speed)
+    levels = result.trace.steps[1:]
+    assert all(s.status == "kept" and s.reason.startswith("holds") for s in levels), "\n".join(s.reason for s in levels)
+    assert result.plan.scheduling.max_concurrency == 8
