@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import RecipeError, closest
-from .measure.runner import METRICS
+from .measure.metrics import METRICS
 from .passes import Layer
 
 __all__ = ["DEFAULT_OBJECTIVES", "Guard", "Policy", "Verdict"]

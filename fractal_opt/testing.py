@@ -218,6 +218,7 @@ class FakeEngine(Engine):
         self.noise = noise
         self.prepare_s = dict(prepare_s)
         self.served = 0  # generate calls served, for tests that count them
+        self.model: Any = "fake"  # the protocol's handle: None once closed (engine.closed)
 
     @classmethod
     def factory(
@@ -308,4 +309,4 @@ class FakeEngine(Engine):
             yield torch.log_softmax(table[ids[start : start + chunk]], dim=-1)
 
     def close(self) -> None:
-        pass
+        self.model = None

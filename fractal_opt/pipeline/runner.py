@@ -24,7 +24,7 @@ from ..engine.protocol import Engine
 from ..errors import EngineError
 from ..machine import Machine, resolve_device
 from ..measure.machine_limits import MachineLimits, probe_limits
-from ..measure.runner import Measurement
+from ..measure.metrics import Measurement
 from ..passes import Pass
 from ..plan import Plan
 from ..quality.evals import load_eval_set, score

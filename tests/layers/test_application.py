@@ -10,7 +10,8 @@ from conftest import quiet
 from fractal_opt.errors import EngineError, RecipeError
 from fractal_opt.layers.application import AssistedDecoding, Decoding, MaxNewTokens, PromptBudget, PromptLookup, ResponseCache
 from fractal_opt.measure.clock import TokenClock
-from fractal_opt.measure.runner import Sample, measure
+from fractal_opt.measure.metrics import Sample
+from fractal_opt.measure.runner import measure
 from fractal_opt.pipeline.runner import Pipeline
 from fractal_opt.plan import ApplicationPlan, Plan, SchedulingPlan
 from fractal_opt.recipe import load_recipe

@@ -6,7 +6,8 @@ import importlib.util
 
 import pytest
 
-from fractal_opt.measure.runner import Sample, measure
+from fractal_opt.measure.metrics import Sample
+from fractal_opt.measure.runner import measure
 from fractal_opt.plan import ApplicationPlan, Plan
 from fractal_opt.runtimes import Engine
 from fractal_opt.serving.response_cache import ResponseCache, normalize
