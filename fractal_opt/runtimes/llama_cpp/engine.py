@@ -1,0 +1,374 @@
+"""LlamaCppEngine: the Engine protocol on llama.cpp's server, in this process, through ``xllamacpp``.
+
+``xllamacpp.Server`` is llama.cpp's HTTP server without the HTTP: ``handle_chat_completions(body,
+callback)`` blocks the calling thread while llama.cpp's own loop (continuous batching over
+``n_parallel`` slots, the GGUF's chat template) produces the answer, and calls ``callback`` with
+one OpenAI-style chunk per streamed token. The server is thread-safe, so concurrency is one
+calling thread per slot (:mod:`.server`). The clock is read in the callback, the moment a token
+reaches Python: that is when a caller could see it.
+
+Loaded servers are cached by their load-time settings (:class:`.settings.ServerSettings`): a pass
+that changes decoding, stops or budgets reuses the loaded model, as in the transformers runtime.
+
+Example:
+    >>> from fractal_opt.plan import Plan, HardwarePlan                                # doctest: +SKIP
+    >>> engine = LlamaCppEngine.build(Plan(source="smollm2-135m-instruct",
+    ...                                    hardware=HardwarePlan(runtime="llama_cpp")))  # doctest: +SKIP
+    >>> engine.generate("What is the capital of France?")                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
+from ...errors import EngineError, RequestRejected
+from ...machine import Machine
+from ...models import resolve
+from ...plan import Plan
+from ...workload import Request
+from .census import eos_token_id, gguf_census
+from .settings import ServerSettings, common_params, refusals, request_body, server_settings
+
+__all__ = ["LlamaCppEngine", "clear_cache", "evict_except"]
+
+# Loaded xllamacpp servers by settings. Two entries, as in the transformers runtime: the pipeline
+# alternates between the last kept plan and a candidate.
+_SERVERS: OrderedDict[ServerSettings, tuple[Any, tuple]] = OrderedDict()  # settings -> (server, plan.weights_key())
+_SERVERS_SIZE = 2
+
+# A token-callback returns True to stop the request (llama.cpp then frees the slot).
+OnTokens = Callable[[list[int], list[float], str], bool]
+
+
+@dataclass
+class Answer:
+    """What one llama.cpp request produced, with a clock reading per token."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    finish_reason: str | None = None  # "length" (budget), "stop" (end of sequence / stop string)
+    timings: dict[str, Any] = field(default_factory=dict)  # llama.cpp's own (prompt_ms, cache_n, ...)
+    t_start: float = 0.0  # when the request went to llama.cpp (prefill starts, a slot being free)
+    t_done: float = 0.0
+
+
+class _NoApplicationState:
+    """The application-layer hooks the shared Server calls (response cache, prompt budget): this
+    runtime refuses plans that use them (settings.refusals), so every lookup misses."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, int] = {}  # prompt tokens a prompt budget removed: none here
+
+    def lookup(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def store(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class LlamaCppEngine(Engine):
+    """A GGUF model served by llama.cpp as a Plan says. Build with :meth:`build`."""
+
+    def __init__(self, plan: Plan, handle: Any, settings: ServerSettings, *, machine: Machine | None = None, load_s: float = 0.0, max_new_tokens: int | None = None):
+        self.plan = plan
+        self.model = handle  # the xllamacpp.Server (None once closed); the Server base checks it
+        self.settings = settings
+        self.machine = machine
+        self.load_s = load_s
+        self.default_max_new_tokens = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        self.app = _NoApplicationState()
+        self.eos_id = eos_token_id(settings.model_path)
+        self._tokenizer: Any = None
+
+    # ------------------------------------------------------------------ measurement's needs
+    # clock_sync stays the protocol's None: a token reaches the callback only once computed.
+    @property
+    def device(self) -> str:
+        """Always "cpu": the xllamacpp wheel is a CPU build (refuse() rejects other devices)."""
+        return "cpu"
+
+    @property
+    def threads(self) -> int:
+        """The threads llama.cpp was loaded with; without a plan value, its own default (the
+        physical cores, which llama.cpp counts itself)."""
+        if self.settings.threads is not None:
+            return self.settings.threads
+        return self.machine.physical_cores if self.machine is not None else max(1, (os.cpu_count() or 2) // 2)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, no special tokens added (the quality probes' reference text)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @property
+    def tokenizer(self) -> Any:
+        """A Hugging Face tokenizer read from the GGUF (transformers' GGUF loader; loaded on first
+        use, ~2-6 s), for callers that need token ids of a text (the quality probes' reference).
+
+        xllamacpp exposes no tokenize call; llama.cpp tokenizes prompts itself, so serving never
+        needs this.
+
+        Raises:
+            EngineError: transformers is not installed.
+        """
+        if self._tokenizer is None:
+            self._tokenizer = _gguf_tokenizer(self.settings.model_path)
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def refuse(cls, plan: Plan) -> str | None:
+        """Why llama.cpp cannot serve ``plan``: its model source, then every unmapped field."""
+        reasons = refusals(plan)
+        source = resolve(plan.source)  # names and paths only; raises for a missing model
+        if source.kind in ("local", "hub"):
+            # A maintained HF -> GGUF converter is llama.cpp's convert_hf_to_gguf.py, which is not
+            # on PyPI (the gguf package only reads and edits GGUF files).
+            reasons.insert(0, f"source={plan.source!r}: llama.cpp loads GGUF files; convert this {source.kind} model with llama.cpp's convert_hf_to_gguf.py and give the .gguf path")
+        return "; ".join(reasons) if reasons else None
+
+    @classmethod
+    def build(cls, plan: Plan, *, machine: Machine | None = None, progress: Callable[[str], None] = print, max_new_tokens: int | None = None) -> LlamaCppEngine:
+        """Load (or reuse) llama.cpp's server for ``plan``.
+
+        Raises:
+            EngineError: the plan asks for something llama.cpp cannot honour (the reason names
+                each field), or xllamacpp is not installed.
+        """
+        reason = cls.refuse(plan)
+        if reason:
+            raise EngineError(f"the llama_cpp runtime cannot serve this plan: {reason}")
+        try:
+            import xllamacpp as xlc
+        except ImportError:
+            raise EngineError("the llama_cpp runtime needs xllamacpp: pip install xllamacpp (a prebuilt CPU wheel)") from None
+        source = resolve(plan.source)
+        cores = (machine or Machine.probe()).physical_cores if plan.hardware.threads == "auto" else None
+        settings = server_settings(plan, str(source.path), physical_cores=cores)
+        start = time.perf_counter()
+        if settings in _SERVERS:
+            _SERVERS.move_to_end(settings)
+            handle, load_s = _SERVERS[settings][0], 0.0
+        else:
+            while len(_SERVERS) >= _SERVERS_SIZE:
+                _SERVERS.popitem(last=False)  # the server stops when its last reference goes
+            progress(f"loading {source.path.name} into llama.cpp ({settings.slots} slot(s), KV cache of {settings.kv_tokens} tokens{' shared' if settings.unified else ''})")
+            handle = xlc.Server(common_params(settings))
+            load_s = time.perf_counter() - start
+            _SERVERS[settings] = (handle, plan.weights_key())
+        return cls(plan, handle, settings, machine=machine, load_s=load_s, max_new_tokens=max_new_tokens)
+
+    def census(self) -> dict[str, Any]:
+        """Weights by GGUF storage type, quantized linear layers, and the KV cache llama.cpp allocated."""
+        return gguf_census(self.settings, context_cap=self.plan.model.context_cap)
+
+    def close(self) -> None:
+        """Forget this engine's server (the cache keeps it until evicted or :func:`clear_cache`)."""
+        self.model = None
+
+    # ------------------------------------------------------------------ serving
+    def serve(self, requests: Sequence[Request], *, max_new_tokens: int | None = None, seed: int = 0, sync: Any = None) -> list[Generation]:
+        """Serve ``requests``: one at a time (sequential), or all at once through llama.cpp's
+        continuous batching (:meth:`server`). ``sync`` is unused: llama.cpp returns each token to
+        the callback only once it is computed."""
+        if self.plan.scheduling.batching == "continuous":
+            from ...serving.server import serve_all
+
+            return serve_all(self, requests, max_new_tokens=max_new_tokens, seed=seed)
+        out = []
+        for request in requests:
+            t_submit = time.perf_counter()
+            answer = self.complete(request, budget=self.budget(max_new_tokens), seed=seed)
+            out.append(self._generation(request, answer, t_submit))
+        return out
+
+    def stream(self, prompt: str | Sequence[dict[str, str]], *, max_new_tokens: int | None = None) -> Iterator[str]:
+        """Yield the answer's text piece by piece as llama.cpp streams it."""
+        request = as_request(prompt)
+        pieces: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        errors: list[BaseException] = []
+        stop = threading.Event()  # the caller stopped iterating: stop the request too
+
+        def on_tokens(ids: list[int], times: list[float], text: str) -> bool:
+            if text:
+                pieces.put(text)
+            return stop.is_set()
+
+        def work() -> None:
+            try:
+                self.complete(request, budget=self.budget(max_new_tokens), seed=0, on_tokens=on_tokens)
+            except BaseException as e:  # noqa: BLE001 (surfaced to the caller below)
+                errors.append(e)
+            finally:
+                pieces.put(None)
+
+        thread = threading.Thread(target=work, name="fractal-opt-llama-stream", daemon=True)
+        thread.start()
+        try:
+            while (piece := pieces.get()) is not None:
+                yield piece
+        finally:
+            stop.set()
+            thread.join()
+        if errors:
+            raise errors[0]
+
+    def server(self, *, seed: int = 0, ignore_eos: bool = False) -> Any:
+        """A request server on llama.cpp's continuous batching (queue, timeouts, cancel, streaming)."""
+        from .server import LlamaServer
+
+        return LlamaServer(self, seed=seed, ignore_eos=ignore_eos)
+
+    def complete(self, request: Request, *, budget: int, seed: int = 0, ignore_eos: bool = False, on_tokens: OnTokens | None = None) -> Answer:
+        """Run one chat request to its end on the calling thread (llama.cpp picks a free slot).
+
+        ``on_tokens(ids, times, text)`` is called as tokens arrive; returning True stops the
+        request. A chunk normally holds one token; llama.cpp holds back a token that ends inside
+        a UTF-8 character or a possible stop string and sends it with the next one, so such
+        tokens share a clock reading.
+
+        Raises:
+            RequestRejected: llama.cpp refused the request (e.g. prompt + budget over the context).
+            EngineError: the engine is closed, or llama.cpp reported another error.
+        """
+        if self.model is None:
+            raise EngineError("the engine is closed: build a new one with LlamaCppEngine.build(plan)")
+        body = request_body(self.plan, request.as_messages(), budget=budget, seed=seed, ignore_eos=ignore_eos)
+        answer = Answer(t_start=time.perf_counter())
+        pieces: list[str] = []
+        error: list[dict[str, Any]] = []
+        t_finish = [0.0]  # when the chunk carrying finish_reason arrived
+
+        def callback(chunk: dict[str, Any]) -> bool:
+            now = time.perf_counter()
+            if "error" in chunk:
+                error.append(chunk["error"])
+                return True
+            if "usage" in chunk:
+                answer.prompt_tokens = int(chunk["usage"].get("prompt_tokens", 0))
+            if "timings" in chunk:
+                answer.timings = chunk["timings"]
+                if self._ended_on_eos(answer):
+                    # llama.cpp decodes the end-of-sequence token but does not stream it; the
+                    # transformers runtime counts it as generated work, so it is counted here too,
+                    # at the moment llama.cpp reported the end.
+                    answer.token_ids.append(self.eos_id)  # type: ignore[arg-type]
+                    answer.token_times.append(t_finish[0])
+                    if on_tokens is not None:
+                        on_tokens([self.eos_id], [t_finish[0]], "")  # type: ignore[list-item]
+            if not chunk.get("choices"):
+                return False
+            choice = chunk["choices"][0]
+            if choice.get("finish_reason"):
+                answer.finish_reason, t_finish[0] = choice["finish_reason"], now
+            text = (choice.get("delta") or {}).get("content") or ""
+            ids = [int(t["id"]) for t in ((choice.get("logprobs") or {}).get("content") or [])]
+            if not ids and not text:
+                return False
+            pieces.append(text)
+            answer.token_ids.extend(ids)
+            answer.token_times.extend([now] * len(ids))
+            return bool(on_tokens(ids, [now] * len(ids), text)) if on_tokens is not None else False
+
+        result = self.model.handle_chat_completions(body, callback)
+        answer.t_done = time.perf_counter()
+        if isinstance(result, dict) and "error" in result:
+            error.append(result["error"])
+        if error:
+            e = error[0]
+            msg = f"llama.cpp refused request {request.id!r}: {e.get('message', e)}"
+            if e.get("type") == "exceed_context_size_error":
+                raise RequestRejected(f"{msg} (context per request: {self.settings.context_per_request} tokens; raise the context_cap pass's tokens or lower max_new_tokens)")
+            raise EngineError(msg)
+        answer.text = "".join(pieces)
+        return answer
+
+    def _ended_on_eos(self, answer: Answer) -> bool:
+        """True when the one token llama.cpp decoded beyond those it streamed is end-of-sequence.
+
+        Only without stop strings: a stop string's tokens are decoded but held back too, so the
+        count would not tell them apart.
+        """
+        extra = int(answer.timings.get("predicted_n", 0)) - len(answer.token_ids)
+        return answer.finish_reason == "stop" and extra == 1 and self.eos_id is not None and not self.plan.application.stop
+
+    def _generation(self, request: Request, answer: Answer, t_submit: float) -> Generation:
+        return Generation(
+            request_id=request.id, text=answer.text, token_ids=answer.token_ids, prompt_tokens=answer.prompt_tokens,
+            t_submit=t_submit, t_prefill_start=answer.t_start, token_times=answer.token_times,
+            hit_cap=answer.finish_reason == "length", t_done=answer.t_done,
+        )
+
+    # ------------------------------------------------------------------ quality probes
+    def next_token_logprobs(self, input_ids: Any, *, chunk: int = 512) -> Iterator[Any]:
+        """Not available: llama.cpp's server returns log-probabilities of the top-k tokens only,
+        never the full vocabulary distribution the KL probe needs. See :meth:`top_logprobs_along`."""
+        raise NotImplementedError(
+            "the llama_cpp runtime gives no full teacher-forced distributions (llama.cpp's server returns top-k "
+            "log-probabilities only); use LlamaCppEngine.top_logprobs_along(ids, k=...) for teacher-forced top-k"
+        )
+
+    def top_logprobs_along(self, input_ids: Sequence[int], *, k: int = 10) -> list[dict[int, float]]:
+        """Teacher-forced top-``k`` next-token log-probabilities at every position of ``input_ids``.
+
+        Row ``j`` holds the ``k`` most likely next tokens after ``input_ids[:j + 1]`` with their
+        log-probabilities under the full softmax (llama.cpp's ``n_probs``: raw logits, before
+        sampling), the same rows :meth:`next_token_logprobs` would give, truncated to the top k.
+        One request per position, each reusing the previous prefix's KV cache (``cache_prompt``),
+        so a position costs one decode step.
+
+        What it bounds: top-1 agreement (flip rate) is exact; the probability mass outside the
+        top k is known (1 - sum of the row), so a KL against a full teacher-forced baseline can be
+        computed over the top-k tokens plus one "rest" bucket, which by the data-processing
+        inequality is a lower bound on the true KL.
+        """
+        if self.model is None:
+            raise EngineError("the engine is closed: build a new one with LlamaCppEngine.build(plan)")
+        ids = [int(t) for t in input_ids]
+        if len(ids) > self.settings.context_per_request:
+            raise RequestRejected(f"top_logprobs_along: {len(ids)} tokens exceed the context per request ({self.settings.context_per_request}); pass a shorter text or raise context_cap")
+        rows: list[dict[int, float]] = []
+        for j in range(1, len(ids) + 1):
+            body = {"prompt": ids[:j], "max_tokens": 1, "n_probs": k, "temperature": 0.0, "top_k": 1, "cache_prompt": True, "stream": False}
+            out = self.model.handle_completions(body)
+            if "error" in out:
+                raise EngineError(f"top_logprobs_along: llama.cpp failed at position {j}: {out['error'].get('message', out['error'])}")
+            content = ((out["choices"][0].get("logprobs") or {}).get("content") or [{}])[0]
+            rows.append({int(t["id"]): float(t["logprob"]) for t in content.get("top_logprobs", [])})
+        return rows
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def _gguf_tokenizer(path: str) -> Any:
+    if path not in _TOKENIZERS:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise EngineError("token ids of a text need transformers (pip install transformers): xllamacpp exposes no tokenizer") from None
+        from pathlib import Path
+
+        p = Path(path)
+        _TOKENIZERS[path] = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return _TOKENIZERS[path]
+
+
+def evict_except(keep: set[tuple]) -> None:
+    """Drop loaded servers whose plan's ``weights_key()`` is not in ``keep``."""
+    for key in [s for s, (_, weights) in _SERVERS.items() if weights not in keep]:
+        del _SERVERS[key]
+
+
+def clear_cache() -> None:
+    """Drop every loaded llama.cpp server (each stops when no engine holds it any more)."""
+    _SERVERS.clear()

@@ -1,0 +1,100 @@
+"""LlamaServer: the shared request server (queue bound, timeouts, cancel, streaming) on top of
+llama.cpp's own continuous batching.
+
+llama.cpp already schedules: each of its ``n_parallel`` slots holds one request, and every step of
+its loop decodes one token for every busy slot and prefills newly arrived prompts. What this
+module adds is the fractal_opt contract around it: the worker admits queued tickets while fewer
+than ``slots`` run, each admitted ticket runs on a thread of its own that blocks inside
+``handle_chat_completions`` (xllamacpp is thread-safe), and its tokens reach the ticket through
+``_add`` as they stream. A cancelled or timed-out ticket makes its callback return True at the next
+token, which stops the request and frees its slot in llama.cpp.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from ...errors import RequestRejected
+from ...serving.server import _POLL_S, Server, Ticket
+
+__all__ = ["LlamaServer"]
+
+
+class LlamaServer(Server):
+    """Continuous batching by llama.cpp: up to ``slots`` requests decode together."""
+
+    def __init__(self, engine: Any, **kwargs: Any):
+        super().__init__(engine, **kwargs)
+        # Never admit more requests than llama.cpp has slots: a request beyond them would wait
+        # inside llama.cpp, where this server can neither time it out nor see it queued.
+        self.in_flight = min(self.in_flight, engine.settings.slots)
+
+    def _run(self) -> None:
+        running: set[Future[None]] = set()
+        with ThreadPoolExecutor(max_workers=self.in_flight, thread_name_prefix="fractal-opt-llama-slot") as pool:
+            while True:
+                if self._closed.is_set() and not running:
+                    return  # close() cancelled every live ticket; their callbacks stop them
+                while len(running) < self.in_flight and not self._closed.is_set():
+                    ticket = self._take()
+                    if ticket is None:
+                        break
+                    running.add(pool.submit(self._work, ticket))
+                if running:
+                    done, _ = wait(running, timeout=_POLL_S, return_when=FIRST_COMPLETED)
+                    running -= done
+                    for f in done:
+                        f.result()  # _work catches per-request errors; anything else is a server bug
+                    self._expire()
+                else:
+                    ticket = self._next(_POLL_S)  # blocks up to 20 ms, expiring deadlines meanwhile
+                    if ticket is not None:
+                        running.add(pool.submit(self._work, ticket))
+
+    def _take(self) -> Ticket | None:
+        """A queued ticket still waiting, without blocking (None when the queue is empty)."""
+        while True:
+            try:
+                ticket = self._queue.get_nowait()
+            except queue.Empty:
+                return None
+            if not ticket.finished:
+                return ticket
+
+    def _work(self, ticket: Ticket) -> None:
+        """Run one ticket on this slot thread, from admission to its terminal state."""
+        pieces: list[str] = []  # the text as llama.cpp streamed it (stop strings already cut)
+        ticket._decode = functools.partial(_joined, pieces)
+        if not ticket._start(0):  # cancelled or timed out while queued
+            return
+
+        def on_tokens(ids: list[int], times: list[float], text: str) -> bool:
+            pieces.append(text)
+            ticket._add(ids, times)
+            return ticket.finished  # True stops the request in llama.cpp (cancel, timeout)
+
+        try:
+            answer = self.engine.complete(ticket.request, budget=ticket.max_new_tokens, seed=self.seed, ignore_eos=self.ignore_eos, on_tokens=on_tokens)
+        except RequestRejected as e:
+            self._end(ticket, "rejected", e)
+            return
+        except Exception as e:  # noqa: BLE001 (one request failed; the server goes on)
+            self._end(ticket, "error", e)
+            return
+        ticket.prompt_tokens = answer.prompt_tokens
+        self._end(ticket, "done")
+
+    def _cancelled(self, ticket: Ticket) -> None:
+        self._forget(ticket)  # its callback sees ticket.finished at the next token and stops it
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        """Text of a ticket that never reached a slot (no tokens: nothing to decode)."""
+        return ""
+
+
+def _joined(pieces: list[str], ids: Sequence[int]) -> str:
+    return "".join(pieces)

@@ -1,0 +1,211 @@
+"""The plan -> llama.cpp mapping: which plan fields become ``CommonParams`` (load time) or request
+fields (per request), and which ones llama.cpp cannot honour (:func:`refusals`).
+
+Pure functions of the plan (no model, no xllamacpp import except in :func:`common_params`), so
+``LlamaCppEngine.refuse(plan)`` costs nothing and recipe checks can call it before any load.
+
+Load-time settings (:func:`server_settings`) decide whether a loaded ``xllamacpp.Server`` can be
+reused; request settings (:func:`request_body`) travel with every request, so a decoding pass never
+reloads the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ...plan import Plan
+
+__all__ = ["KV_CACHE_TYPES", "ServerSettings", "common_params", "describe", "refusals", "request_body", "server_settings"]
+
+# plan.model.kv_bits -> llama.cpp cache type (ggml block formats: 32 values per block with one f16
+# scale; q8_0 = 34 bytes per block, q4_0 = 18). llama.cpp has no 2-bit KV cache type.
+KV_CACHE_TYPES: dict[int | None, str] = {None: "f16", 8: "q8_0", 4: "q4_0"}
+FLASH_ATTENTION = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED", "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED"}
+KV_BYTES_PER_VALUE: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+# KV-cache size when the plan sets no context_cap. llama.cpp allocates the whole cache when it
+# loads (like a static cache), so "the model's 8192-token training context" per slot would reserve
+# 8192 x 23 KB = 190 MB per slot for SmolLM2-135M (3 GB for 16 slots). Without a cap the slots share
+# one pool (llama.cpp's unified KV cache): 4096 tokens, or 1024 per slot when there are more than
+# four; 4096 holds the default suite's longest prompt (~600 tokens) plus any budget it asks for.
+DEFAULT_KV_TOKENS = 4096
+KV_TOKENS_PER_SLOT = 1024
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything fixed when an ``xllamacpp.Server`` loads; equal settings share one loaded server."""
+
+    model_path: str
+    threads: int | None  # None = llama.cpp's default (its own count of the machine's cores)
+    slots: int  # n_parallel: requests decoded together by llama.cpp's continuous batching
+    kv_tokens: int  # n_ctx: tokens the whole KV cache holds (all slots together)
+    unified: bool  # True: slots share the kv_tokens pool; False: each slot owns kv_tokens / slots
+    cache_type: str  # K and V cache type (f16 | q8_0 | q4_0)
+    flash_attention: str = "auto"  # auto | on | off (llama.cpp's flash_attn_type)
+    prefix_cache: bool = False  # reuse a prompt prefix's KV across requests (llama.cpp's prompt cache)
+
+    @property
+    def context_per_request(self) -> int:
+        """Tokens of prompt + answer one request may hold."""
+        return self.kv_tokens if self.unified else self.kv_tokens // self.slots
+
+
+def refusals(plan: Plan) -> list[str]:
+    """Every field of ``plan`` llama.cpp cannot honour, each as a reason naming field and value.
+
+    A field at its transformers default is accepted when llama.cpp's own behaviour is the same
+    kind of thing (sdpa attention -> llama.cpp's attention kernel; float32 -> float32 activations
+    over the GGUF's stored weight types).
+    """
+    hw, m, s, app = plan.hardware, plan.model, plan.scheduling, plan.application
+    out: list[str] = []
+
+    def no(field: str, value: Any, why: str) -> None:
+        out.append(f"{field}={value!r}: {why}")
+
+    if hw.device not in ("cpu", "auto"):
+        no("hardware.device", hw.device, "the xllamacpp wheel installed here is a CPU build; use device: cpu")
+    for name in ("device_map", "offload_folder"):
+        if getattr(hw, name) is not None:
+            no(f"hardware.{name}", getattr(hw, name), "accelerate placement is a transformers feature; llama.cpp runs the whole model on the CPU here")
+    if hw.max_memory:
+        no("hardware.max_memory", hw.max_memory, "accelerate placement is a transformers feature")
+    if hw.dtype != "float32":
+        no("hardware.dtype", hw.dtype, "llama.cpp computes with the weight types stored in the GGUF file (see census bytes_by_type); convert the model to an f16/bf16 GGUF instead")
+    if hw.attention != "sdpa":
+        no("hardware.attention", hw.attention, "transformers attention kernels do not exist in llama.cpp, which uses its own (flash attention is its own setting)")
+    if hw.matmul_precision != "highest":
+        no("hardware.matmul_precision", hw.matmul_precision, "TF32 matmul precision is a torch setting; llama.cpp's CPU kernels have none")
+    if hw.compile is not None:
+        no("hardware.compile", hw.compile, "torch.compile applies to torch models only; llama.cpp's kernels are compiled ahead of time")
+    if hw.flash_attention not in FLASH_ATTENTION:
+        no("hardware.flash_attention", hw.flash_attention, f"llama.cpp's flash attention is one of {list(FLASH_ATTENTION)}")
+    for name in ("runtime_path", "runtime_url"):
+        if getattr(hw, name) is not None:
+            no(f"hardware.{name}", getattr(hw, name), "where to find vLLM; llama.cpp runs in this process from the xllamacpp package")
+    for name in ("tensor_parallel", "pipeline_parallel"):
+        if getattr(hw, name) != 1:
+            no(f"hardware.{name}", getattr(hw, name), "splitting a model over GPUs is vLLM's (runtime: vllm); this llama.cpp build runs on one CPU")
+    if hw.prepack:
+        no("hardware.prepack", hw.prepack, "oneDNN prepacking is a torch feature; llama.cpp repacks quantized weights for the CPU by itself")
+    if m.weight_bits is not None or m.quant_backend is not None or m.quant_method is not None:
+        no("model.weight_bits", m.weight_bits, f"llama.cpp serves the GGUF file's own quantization ({m.quant_backend or 'no'} backend cannot re-quantize it); quantize the GGUF with llama-quantize instead")
+    for name in ("quant_group_size", "quant_sensitivity_max_kl"):
+        if getattr(m, name) is not None:
+            no(f"model.{name}", getattr(m, name), "a transformers quantization parameter; the GGUF file fixes llama.cpp's quantization")
+    if m.quant_skip:
+        no("model.quant_skip", m.quant_skip, "a transformers quantization parameter; the GGUF file fixes llama.cpp's quantization")
+    if m.kv_cache in ("offloaded", "off"):
+        no("model.kv_cache", m.kv_cache, "llama.cpp keeps its KV cache in memory, always on (allowed: dynamic, static, quantized)")
+    elif m.kv_cache == "quantized":
+        if m.kv_bits not in KV_CACHE_TYPES or m.kv_bits is None:
+            no("model.kv_bits", m.kv_bits, f"llama.cpp's quantized KV cache types are q8_0 and q4_0 (kv_bits 8 or 4); allowed: {[b for b in KV_CACHE_TYPES if b]}")
+        if m.kv_backend not in (None, "native"):
+            no("model.kv_backend", m.kv_backend, "quanto / hqq quantize transformers' cache; llama.cpp quantizes its own (kv_cache pass: backend: native)")
+    elif m.kv_cache not in ("dynamic", "static"):
+        no("model.kv_cache", m.kv_cache, "unknown cache kind for llama.cpp (allowed: dynamic, static, quantized)")
+    if s.batching == "static":
+        no("scheduling.batching", s.batching, "llama.cpp has no padded static batches; its server batches continuously (batching: continuous)")
+    cb_defaults = {"cb_max_batch_tokens": None, "cb_num_blocks": None, "cb_page_size": 256, "cb_max_memory_percent": None, "cb_scheduler": "fifo"}
+    for name, default in cb_defaults.items():
+        if getattr(s, name) != default:
+            no(f"scheduling.{name}", getattr(s, name), "a setting of transformers' continuous batching; llama.cpp sizes its batch and KV cache itself")
+    if app.num_beams > 1:
+        no("application.num_beams", app.num_beams, "llama.cpp's server has no beam search")
+    if app.no_repeat_ngram_size:
+        no("application.no_repeat_ngram_size", app.no_repeat_ngram_size, "llama.cpp has no n-gram ban (repetition_penalty, its repeat_penalty, is mapped)")
+    if app.prompt_budget is not None:
+        no("application.prompt_budget", app.prompt_budget, "trimming needs the tokenizer in Python; not wired to the llama.cpp runtime yet")
+    if app.response_cache is not None:
+        no("application.response_cache", app.response_cache, "not wired to the llama.cpp runtime yet")
+    if app.prompt_lookup_tokens is not None:
+        no("application.prompt_lookup_tokens", app.prompt_lookup_tokens, "llama.cpp's n-gram speculation is not wired to this runtime yet")
+    if app.draft is not None:
+        no("application.draft", app.draft, "llama.cpp's draft-model speculation needs a GGUF draft; not wired to this runtime yet")
+    return out
+
+
+def server_settings(plan: Plan, model_path: str, *, physical_cores: int | None = None) -> ServerSettings:
+    """The load-time settings for ``plan``. ``physical_cores`` resolves ``threads: auto``."""
+    from ...serving.server import in_flight_limit
+
+    hw, m, s = plan.hardware, plan.model, plan.scheduling
+    threads = hw.threads
+    if threads == "auto":
+        threads = physical_cores
+    # Continuous batching gets as many slots as the transformers server admits requests
+    # (max_concurrency, else its default), so both runtimes run the same number at once.
+    slots = in_flight_limit(s)
+    cache_type = KV_CACHE_TYPES[m.kv_bits] if m.kv_cache == "quantized" else "f16"
+    return ServerSettings(
+        model_path=model_path,
+        threads=threads if isinstance(threads, int) else None,
+        slots=slots,
+        # A context cap is a per-request limit: each slot owns exactly that many tokens.
+        kv_tokens=m.context_cap * slots if m.context_cap else max(DEFAULT_KV_TOKENS, KV_TOKENS_PER_SLOT * slots),
+        unified=m.context_cap is None,
+        cache_type=cache_type,
+        flash_attention=hw.flash_attention,
+        prefix_cache=s.prefix_cache,
+    )
+
+
+def common_params(settings: ServerSettings) -> Any:
+    """``xllamacpp.CommonParams`` for ``settings`` (imports xllamacpp)."""
+    import xllamacpp as xlc
+
+    p = xlc.CommonParams()
+    p.model.path = settings.model_path
+    p.n_parallel = settings.slots
+    p.kv_unified = settings.unified
+    p.n_ctx = settings.kv_tokens
+    if settings.threads is not None:
+        p.cpuparams.n_threads = settings.threads
+        p.cpuparams_batch.n_threads = settings.threads  # prefill uses the batch thread pool
+    ggml_type = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}[settings.cache_type]
+    p.cache_type_k = getattr(xlc.ggml_type, ggml_type)
+    p.cache_type_v = getattr(xlc.ggml_type, ggml_type)
+    p.flash_attn_type = getattr(xlc.llama_flash_attn_type, FLASH_ATTENTION[settings.flash_attention])
+    # Prefix reuse across requests (llama.cpp's prompt cache) makes TTFT measure a cache hit rather
+    # than a prefill, so it is on only when the plan asks (scheduling.prefix_cache; request_body
+    # sends the same cache_prompt).
+    p.cache_prompt = settings.prefix_cache
+    if not settings.prefix_cache:
+        p.cache_ram_mib = 0
+    p.warmup = True  # one empty decode at load, so the first timed request pays no first-touch cost
+    p.verbosity = -1
+    return p
+
+
+def request_body(plan: Plan, messages: list[dict[str, str]], *, budget: int, seed: int, ignore_eos: bool) -> dict[str, Any]:
+    """The chat-completion request for ``messages``: decoding as ``plan.application`` says.
+
+    Every sampling field is sent, even at its neutral value, because llama.cpp's own defaults
+    differ from transformers' (top_k 40, top_p 0.95, min_p 0.05, temperature 0.8).
+    """
+    app = plan.application
+    body: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": budget,
+        "stream": True,
+        "stream_options": {"include_usage": True},  # the last chunk carries usage.prompt_tokens
+        "n_probs": 1,  # each streamed token comes with its id (costs ~3% decode speed, measured)
+        "cache_prompt": plan.scheduling.prefix_cache,
+        "seed": seed,
+        "repeat_penalty": app.repetition_penalty,
+        "ignore_eos": ignore_eos,
+    }
+    if app.do_sample:
+        body.update(temperature=app.temperature, top_p=app.top_p, top_k=app.top_k or 0, min_p=app.min_p or 0.0)
+    else:
+        body.update(temperature=0.0, top_k=1, top_p=1.0, min_p=0.0)  # greedy: the argmax token
+    if app.stop:
+        body["stop"] = list(app.stop)
+    return body
+
+
+def describe(settings: ServerSettings) -> dict[str, Any]:
+    """The settings as a JSON-friendly dict (for census and the trace)."""
+    return {**{f.name: getattr(settings, f.name) for f in fields(settings)}, "context_per_request": settings.context_per_request}
