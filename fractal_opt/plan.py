@@ -56,6 +56,11 @@ class HardwarePlan:
     matmul_precision: str = field(default="highest", metadata=NUMERICS)  # torch.set_float32_matmul_precision: highest | high | medium (TF32 on CUDA)
     compile: str | None = field(default=None, metadata=NUMERICS)  # torch.compile mode of the decode step: default | reduce-overhead | max-autotune
     prepack: tuple[str, ...] = field(default=(), metadata=WEIGHTS)  # Linear modules whose weights are repacked for oneDNN (CPU, float32): "lm_head"
+    flash_attention: str = field(default="auto", metadata=NUMERICS)  # llama.cpp's flash-attention kernel: auto | on | off
+    runtime_path: str | None = field(default=None, metadata=WEIGHTS)  # vllm: the `vllm` executable (None = $FRACTAL_OPT_VLLM, then .venv-vllm/bin/vllm)
+    runtime_url: str | None = field(default=None, metadata=WEIGHTS)  # vllm: base URL of a running OpenAI-compatible server (then nothing is started)
+    tensor_parallel: int = field(default=1, metadata=WEIGHTS)  # vllm: GPUs each layer is split over (--tensor-parallel-size)
+    pipeline_parallel: int = field(default=1, metadata=WEIGHTS)  # vllm: GPUs / nodes the layers are split over (--pipeline-parallel-size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +88,7 @@ class SchedulingPlan:
     max_wait_ms: float = field(default=10.0, metadata=RUNTIME)  # static: how long a batch waits for more requests before it starts
     max_concurrency: int | None = field(default=None, metadata=RUNTIME)  # requests in flight at once; None = batch_size (static), 16 (continuous)
     streaming: bool = field(default=True, metadata=RUNTIME)  # callers get tokens as they are generated (False: all at the end)
+    prefix_cache: bool = field(default=False, metadata=RUNTIME)  # llama.cpp / vllm: reuse the KV of a prompt prefix seen before (off: every TTFT includes a full prefill)
     max_queue: int = field(default=256, metadata=RUNTIME)  # requests waiting for a slot; a full queue rejects new ones (RequestRejected)
     timeout_s: float | None = field(default=None, metadata=RUNTIME)  # per-request deadline from submission; None = no deadline
     # Continuous batching (transformers' ContinuousBatchingConfig); None = sized by the server.

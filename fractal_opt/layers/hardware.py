@@ -1,9 +1,10 @@
 """Layer 1, hardware: where and how the math runs.
 
-Passes: ``device`` (one device, or accelerate's ``device_map`` over several with CPU/disk
-offload), ``dtype``, ``threads``, ``attention`` (kernel), ``matmul_precision`` (TF32 on CUDA) and
+Passes: ``runtime`` (the inference engine: transformers, llama.cpp, vLLM), ``device`` (one
+device, or accelerate's ``device_map`` over several with CPU/disk offload), ``dtype``, ``threads``, ``attention`` (kernel), ``matmul_precision`` (TF32 on CUDA) and
 ``compile`` (torch.compile of the decode step) and ``prepack`` (oneDNN's blocked weight layout for
-named Linear modules, CPU). GPU-only options say so in ``check``.
+named Linear modules, CPU), ``flash_attention`` (llama.cpp's kernel switch). GPU-only options
+say so in ``check``; what a runtime cannot do with a plan, the runtime refuses.
 """
 
 from __future__ import annotations
@@ -17,7 +18,56 @@ from ..machine import Machine, resolve_device
 from ..passes import Layer, Pass, register
 from ..plan import Plan
 
-__all__ = ["Attention", "Compile", "Device", "Dtype", "MatmulPrecision", "Prepack", "Threads"]
+__all__ = ["Attention", "Compile", "Device", "Dtype", "FlashAttention", "MatmulPrecision", "Prepack", "Runtime", "Threads"]
+
+# The package each runtime needs in this environment (vllm runs in its own: its runtime finds it).
+RUNTIME_PACKAGES = {"llama_cpp": "xllamacpp"}
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class Runtime(Pass):
+    """Serve the plan on another inference engine: llama.cpp (GGUF, CPU) or vLLM (GPU serving).
+
+    The largest speed-up on a CPU: llama.cpp decodes the embedded GGUF several times faster than
+    transformers does the same weights dequantized to float32. The other layers' passes keep their
+    meaning; each runtime maps the plan's fields onto its own settings or refuses them (the step is
+    then skipped with the runtime's reason). A runtime that changes outputs passes the same quality
+    guards as a quantization.
+    """
+
+    name = "runtime"
+    layer = Layer.HARDWARE
+
+    backend: Literal["transformers", "llama_cpp", "vllm"] = "llama_cpp"
+
+    def unavailable(self, machine: Machine) -> str | None:
+        package = RUNTIME_PACKAGES.get(self.backend)
+        if package and not machine.has_package(package):
+            return f"the {self.backend} runtime needs the {package} package (pip install {package}; make setup installs it)"
+        return None
+
+    def apply(self, plan: Plan) -> Plan:
+        return plan.replace_section("hardware", runtime=self.backend)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class FlashAttention(Pass):
+    """Switch llama.cpp's flash-attention kernel on or off (its default, auto, decides per model).
+
+    A fused attention kernel reads keys/values once per tile instead of materializing the score
+    matrix: it attacks prefill time on long prompts. Only llama.cpp reads this field; the
+    transformers runtime chooses its kernel with the ``attention`` pass and refuses this one.
+    """
+
+    name = "flash_attention"
+    layer = Layer.HARDWARE
+
+    mode: Literal["auto", "on", "off"] = "on"
+
+    def apply(self, plan: Plan) -> Plan:
+        return plan.replace_section("hardware", flash_attention=self.mode)
 
 
 @register

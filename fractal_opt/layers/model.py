@@ -167,7 +167,9 @@ class KVCache(Pass):
 
     implementation: Literal["dynamic", "static", "quantized", "offloaded", "off"] = "static"
     bits: Literal[2, 4, 8] = 4  # quantized only
-    backend: Literal["quanto", "hqq"] = "quanto"  # quantized only
+    # quantized only: quanto / hqq quantize transformers' cache; native = the runtime's own cache
+    # types (llama.cpp q8_0 / q4_0, vLLM fp8), for plans on those runtimes.
+    backend: Literal["quanto", "hqq", "native"] = "quanto"
 
     def __post_init__(self) -> None:
         if self.implementation == "quantized" and self.backend == "quanto" and self.bits == 8:
@@ -181,8 +183,8 @@ class KVCache(Pass):
         return None
 
     def unavailable(self, machine: Machine) -> str | None:
-        package = BACKEND_PACKAGES[self.backend]
-        if self.implementation == "quantized" and not machine.has_package(package):
+        package = BACKEND_PACKAGES.get(self.backend)
+        if self.implementation == "quantized" and package and not machine.has_package(package):
             return f"the quantized KV cache with backend {self.backend!r} needs the {package} package (pip install {package})"
         if self.implementation == "offloaded" and not machine.has_cuda:
             return "the offloaded KV cache needs a CUDA GPU (GPU-only option)"

@@ -2,6 +2,8 @@
 inference engine, and :func:`build` picks the one a plan names (``plan.hardware.runtime``).
 
 - ``transformers``: Hugging Face transformers in this process (the baseline).
+- ``llama_cpp``: llama.cpp's server in this process through the ``xllamacpp`` wheel (GGUF models, CPU).
+- ``vllm``: vLLM's OpenAI-compatible server as a child process in its own environment (or a running one).
 
 Example:
     >>> from fractal_opt.runtimes import build                      # doctest: +SKIP
@@ -20,7 +22,7 @@ from ..plan import Plan
 
 __all__ = ["RUNTIMES", "Engine", "build", "clear_cache", "evict_except", "from_recipe", "refuse"]
 
-RUNTIMES = ("transformers",)
+RUNTIMES = ("transformers", "llama_cpp", "vllm")
 
 
 def _engine_class(runtime: str) -> type[protocol.Engine]:
@@ -28,6 +30,14 @@ def _engine_class(runtime: str) -> type[protocol.Engine]:
         from .transformers.engine import TransformersEngine
 
         return TransformersEngine
+    if runtime == "llama_cpp":
+        from .llama_cpp.engine import LlamaCppEngine
+
+        return LlamaCppEngine
+    if runtime == "vllm":
+        from .vllm.engine import VllmEngine
+
+        return VllmEngine
     msg = f"plan.hardware.runtime: unknown runtime {runtime!r}. Valid runtimes are: {list(RUNTIMES)}.{closest(runtime, RUNTIMES)}"
     raise RecipeError(msg)
 
@@ -52,16 +62,20 @@ def from_recipe(recipe: Any, *, progress: Callable[[str], None] = print) -> prot
 
 def evict_except(keep: set[tuple]) -> None:
     """Drop every runtime's cached models whose weights key is not in ``keep``."""
+    from . import llama_cpp
     from .transformers.engine import evict_except as transformers_evict
 
     transformers_evict(keep)
+    llama_cpp.evict_except(keep)
 
 
 def clear_cache() -> None:
     """Drop every runtime's cached models (frees memory; the next build loads again)."""
+    from . import llama_cpp
     from .transformers.engine import clear_cache as transformers_clear
 
     transformers_clear()
+    llama_cpp.clear_cache()
 
 
 class Engine:

@@ -173,6 +173,18 @@ class TransformersEngine(Engine):
         Continuous batching would silently ignore some generate() arguments (beams, speculation,
         stop strings, a static cache), and the semantic response cache needs its embedding model.
         """
+        hw = plan.hardware
+        # Fields other runtimes read: at their defaults they mean what transformers does anyway.
+        other = {"hardware.flash_attention": (hw.flash_attention, "auto", "llama.cpp's flash-attention switch (transformers picks its kernel with the attention pass)"),
+                 "hardware.runtime_path": (hw.runtime_path, None, "where to find vLLM"), "hardware.runtime_url": (hw.runtime_url, None, "a running vLLM server"),
+                 "hardware.tensor_parallel": (hw.tensor_parallel, 1, "vLLM's tensor parallelism (transformers places layers with device_map)"),
+                 "hardware.pipeline_parallel": (hw.pipeline_parallel, 1, "vLLM's pipeline parallelism (transformers places layers with device_map)"),
+                 "scheduling.prefix_cache": (plan.scheduling.prefix_cache, False, "cross-request prefix reuse is a llama.cpp / vLLM server feature")}
+        bad = [f"{name}={value!r}: {why}" for name, (value, default, why) in other.items() if value != default]
+        if plan.model.kv_backend == "native":
+            bad.append("model.kv_backend='native': a llama.cpp / vLLM cache type; transformers quantizes its cache with quanto or hqq")
+        if bad:
+            return "; ".join(bad)
         if plan.scheduling.batching == "continuous":
             from .continuous import cb_unsupported
 
