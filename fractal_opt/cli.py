@@ -61,6 +61,11 @@ def _cmd_passes(args: argparse.Namespace) -> int:
             print(f"   {cls.name:<16} {cls.summary()}")
             print(f"   {'':<16} params: {params or '-'}")
             print(f"   {'':<16} {here}")
+            if cls.name == "runtime":
+                from .runtimes import availability
+
+                for runtime, reason in availability(machine).items():
+                    print(f"   {'':<16}   {runtime:<13} {'runs here' if reason is None else 'not here: ' + reason}")
     return 0
 
 

@@ -55,6 +55,19 @@ def test_passes_lists_every_registered_pass(capsys):
         assert layer in out
 
 
+def test_passes_says_which_runtimes_run_here(capsys, monkeypatch, tmp_path):
+    """Under the runtime pass, `fractal-opt passes` names every runtime and why one cannot run here."""
+    from fractal_opt.runtimes.vllm import process
+
+    monkeypatch.delenv("FRACTAL_OPT_VLLM", raising=False)
+    monkeypatch.delenv("FRACTAL_OPT_VLLM_URL", raising=False)
+    monkeypatch.setattr(process, "default_executable", lambda: tmp_path / "no-vllm" / "bin" / "vllm")
+    assert main(["passes"]) == 0
+    out = capsys.readouterr().out
+    assert "transformers  runs here" in out
+    assert "vllm          not here: the vllm runtime found no vLLM" in out and "setup-vllm" in out
+
+
 def test_run_writes_results(tiny_dir, small_recipe, tmp_path, capsys):
     """`fractal-opt run RECIPE --out DIR --quiet` returns 0 and writes trace.json, report.md and recipe.yaml."""
     recipe = small_recipe(tiny_dir, limit=2, max_new_tokens=4, repeats=1, warmup=0, passes={"application": [{"max_new_tokens": {"limit": 2}}]})

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine import protocol
-from ..errors import RecipeError, closest
+from ..errors import FractalOptError, RecipeError, closest
 from ..machine import Machine
 from ..plan import Plan
 
-__all__ = ["RUNTIMES", "Engine", "build", "clear_cache", "evict_except", "from_recipe", "refuse"]
+__all__ = ["RUNTIMES", "Engine", "availability", "build", "clear_cache", "evict_except", "from_recipe", "refuse"]
 
 RUNTIMES = ("transformers", "llama_cpp", "vllm")
 
@@ -40,6 +40,26 @@ def _engine_class(runtime: str) -> type[protocol.Engine]:
         return VllmEngine
     msg = f"plan.hardware.runtime: unknown runtime {runtime!r}. Valid runtimes are: {list(RUNTIMES)}.{closest(runtime, RUNTIMES)}"
     raise RecipeError(msg)
+
+
+def availability(machine: Machine) -> dict[str, str | None]:
+    """Per runtime, why it cannot run here (a missing package, no vLLM found), or None when it can.
+
+    Looks, never loads: what ``fractal-opt passes`` shows under the runtime pass.
+    """
+    out: dict[str, str | None] = {"transformers": None}
+    out["llama_cpp"] = None if machine.has_package("xllamacpp") else "needs the xllamacpp package (pip install xllamacpp; make setup installs it)"
+    from .vllm.process import find_executable, find_url
+
+    if find_url(None):
+        out["vllm"] = None
+    else:
+        try:
+            find_executable(None)
+            out["vllm"] = None
+        except FractalOptError as e:
+            out["vllm"] = str(e)
+    return out
 
 
 def refuse(plan: Plan) -> str | None:
