@@ -164,10 +164,15 @@ class Policy:
         the baseline's numbers (for ``max_drop``)."""
         objective = self.objective_for(layer)
         trips: list[str] = []
+        notes: list[str] = []  # what the verdict could not judge, or judged on a bound
         for guard in self.guards_for(layer):
             value = after.get(guard.metric)
             if value is None:
+                if guard.metric in QUALITY_METRICS and guard.metric in after:  # probed, not measurable (quality.probes kl_method)
+                    notes.append(f"guard {guard.metric} not measurable on this runtime ({after.get('kl_method') or 'no value'})")
                 continue
+            if guard.metric.startswith("kl_") and str(after.get("kl_method", "full")).startswith("top-k"):
+                notes.append(f"guard {guard.metric} judged a lower bound ({after['kl_method']}): it can only be too lenient")
             if guard.max is not None and value > guard.max:
                 trips.append(f"guard {guard.metric} max {guard.max:g} tripped: {_fmt(value)}")
             if guard.min is not None and value < guard.min:
@@ -184,24 +189,25 @@ class Policy:
         change = changes.get(objective)
         band = bands.get(objective, self.min_effect)
         clean = {k: round(v, 4) for k, v in changes.items() if v is not None}
+        note = "".join(f"; {n}" for n in notes)
         if change is None:
             return Verdict(kept=False, reason=f"objective {objective} could not be measured", changes=clean, bands=bands, outcome="unmeasured")
         better = change if METRICS[objective] else -change
         obj_text = f"{objective} {_move(objective, before, after, change)}, noise band ±{band:.1%}"
         if trips:
-            return Verdict(kept=False, reason=f"{obj_text}; " + "; ".join(trips), changes=clean, bands=bands, outcome="guard")
+            return Verdict(kept=False, reason=f"{obj_text}; " + "; ".join(trips) + note, changes=clean, bands=bands, outcome="guard")
         if better <= band:
             verb = "no change beyond noise" if better >= -band else "worse"
             # The other side of a trade: watched numbers that did improve beyond noise.
             gains = [f"{m} {_move(m, before, after, c)}" for m in WATCH[layer] if m != objective and (c := changes.get(m)) is not None
                      and (c if ALL_METRICS.get(m, True) else -c) > bands.get(m, self.min_effect)]
             but = f"; better, but not the objective: {', '.join(gains)}" if gains else ""
-            return Verdict(kept=False, reason=f"{verb}: {obj_text}{but}", changes=clean, bands=bands, outcome="no_change" if better >= -band else "worse")
+            return Verdict(kept=False, reason=f"{verb}: {obj_text}{but}{note}", changes=clean, bands=bands, outcome="no_change" if better >= -band else "worse")
         # The price of a kept trade: watched numbers that got worse beyond noise without a guard tripping.
         costs = [f"{m} {_move(m, before, after, c)}" for m in WATCH[layer] if m != objective and (c := changes.get(m)) is not None
                  and -(c if ALL_METRICS.get(m, True) else -c) > bands.get(m, self.min_effect)]
         cost = f"; at a cost no guard forbids: {', '.join(costs)}" if costs else ""
-        return Verdict(kept=True, reason=f"{obj_text}; no guard tripped{cost}", changes=clean, bands=bands, outcome="kept")
+        return Verdict(kept=True, reason=f"{obj_text}; no guard tripped{cost}{note}", changes=clean, bands=bands, outcome="kept")
 
 
 def _fmt(v: float | None) -> str:

@@ -193,7 +193,9 @@ class FakeEngine(Engine):
     both times are the base times divided by the ``speed`` factors the plan's fields select; the
     engine sleeps until the last token's time, so wall-clock throughput agrees with the readings.
     Outputs depend only on the prompt (greedy agreement is 1.0) and log-probabilities only on the
-    tokens, plus noise where ``drift`` says (KL > 0). Build one with :meth:`factory`.
+    tokens, plus noise where ``drift`` says (KL > 0). ``logprobs`` says what it gives the quality
+    probes: ``"full"`` distributions, only its ``"top-k"`` rows (as llama.cpp and vLLM), or
+    ``"none"``. Build one with :meth:`factory`.
 
     Example:
         >>> from fractal_opt.plan import Plan
@@ -206,7 +208,8 @@ class FakeEngine(Engine):
     """
 
     def __init__(self, plan: Plan, *, machine: Machine | None = None, max_new_tokens: int | None = None, per_token_s: float,
-                 prefill_s: float, weight_bytes: int, vocab_size: int, noise: float, prepare_s: Mapping[str, float]):
+                 prefill_s: float, weight_bytes: int, vocab_size: int, noise: float, prepare_s: Mapping[str, float],
+                 logprobs: str = "full"):
         self.plan = plan
         self.machine = machine
         self.load_s = 0.0
@@ -217,6 +220,7 @@ class FakeEngine(Engine):
         self.vocab_size = vocab_size
         self.noise = noise
         self.prepare_s = dict(prepare_s)
+        self.logprobs = logprobs  # "full" | "top-k" | "none": what next_token_logprobs / top_logprobs give
         self.served = 0  # generate calls served, for tests that count them
         self.model: Any = "fake"  # the protocol's handle: None once closed (engine.closed)
 
@@ -232,6 +236,7 @@ class FakeEngine(Engine):
         prefill_ms: float = 1.0,
         weight_bytes: int = 64 * 2**20,
         vocab_size: int = 64,
+        logprobs: str = "full",
     ) -> Callable[..., FakeEngine]:
         """A build function (``Pipeline(recipe, build=...)``) for fake engines.
 
@@ -246,7 +251,11 @@ class FakeEngine(Engine):
             prefill_ms: base prefill time per request.
             weight_bytes: the census's weights at float32 (halved in 16-bit dtypes, scaled by weight_bits).
             vocab_size: tokens the fake vocabulary holds.
+            logprobs: ``"full"``, ``"top-k"`` (next_token_logprobs raises, top_logprobs answers) or
+                ``"none"`` (both raise), as runtimes without full distributions do.
         """
+        if logprobs not in ("full", "top-k", "none"):
+            raise ValueError(f"logprobs={logprobs!r}: expected 'full', 'top-k' or 'none'")
 
         def build(plan: Plan, *, machine: Machine | None = None, progress: Callable[[str], None] = print,
                   max_new_tokens: int | None = None) -> FakeEngine:
@@ -259,7 +268,8 @@ class FakeEngine(Engine):
                 bits = plan.model.weight_bits
             return cls(plan, machine=machine, max_new_tokens=max_new_tokens, per_token_s=per_token_ms / 1000 / decode,
                        prefill_s=prefill_ms / 1000 / prefill, weight_bytes=weight_bytes * bits // 32, vocab_size=vocab_size,
-                       noise=sum(_lookup(drift or {}, plan)), prepare_s={"compile_s": 0.01} if plan.hardware.compile else {})
+                       noise=sum(_lookup(drift or {}, plan)), prepare_s={"compile_s": 0.01} if plan.hardware.compile else {},
+                       logprobs=logprobs)
 
         return build
 
@@ -299,6 +309,21 @@ class FakeEngine(Engine):
 
     def next_token_logprobs(self, input_ids: Any, *, chunk: int = 512) -> Iterator[Any]:
         """Log-probabilities that depend only on the previous token (and the plan's drift)."""
+        if self.logprobs != "full":
+            raise NotImplementedError(f"FakeEngine(logprobs={self.logprobs!r}) gives no full distributions")
+        yield from self._logprobs(input_ids, chunk=chunk)
+
+    def top_logprobs(self, input_ids: Sequence[int], *, k: int) -> list[dict[int, float]]:
+        """The top ``k`` of the same log-probabilities, unless ``logprobs="none"``."""
+        if self.logprobs == "none":
+            raise NotImplementedError("FakeEngine(logprobs='none') gives no log-probabilities")
+        rows: list[dict[int, float]] = []
+        for lp in self._logprobs(input_ids):
+            values, indices = lp.topk(min(k, lp.shape[-1]), dim=-1)
+            rows.extend(dict(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist()))
+        return rows
+
+    def _logprobs(self, input_ids: Any, *, chunk: int = 512) -> Iterator[Any]:
         import torch
 
         ids = torch.as_tensor(input_ids, dtype=torch.long)

@@ -142,3 +142,21 @@ def test_weights_that_grow_beyond_max_regression_roll_back_a_faster_hardware_pas
     assert relaxed.kept, relaxed.reason
     shrunk = Policy().judge(Layer.MODEL, before, {**after, "weight_mb": 210.0}, {**changes, "weight_mb": 210 / 513 - 1}, BANDS)
     assert shrunk.kept, shrunk.reason  # smaller weights are never a regression
+
+
+NOTE_ARGS = ({"decode_tokens_per_s": 100.0}, {"decode_tokens_per_s": 0.2}, {"decode_tokens_per_s": 0.05})
+
+
+def test_unmeasurable_kl_guard_is_named():
+    """A kl_mean left None by a runtime without log-probabilities is named in the verdict, not silently skipped."""
+    after = {"decode_tokens_per_s": 120.0, "kl_mean": None, "kl_method": "unavailable: X gives no log-probabilities"}
+    v = Policy().judge(Layer.HARDWARE, NOTE_ARGS[0], after, NOTE_ARGS[1], NOTE_ARGS[2])
+    assert v.kept and "guard kl_mean not measurable on this runtime (unavailable: X gives no log-probabilities)" in v.reason
+    assert "accuracy" not in v.reason  # a guard with no probe configured (no eval set) stays silent
+
+
+def test_kl_guard_on_a_top_k_bound_says_so():
+    """A kl_mean from the top-k lower bound is judged and the verdict says it can only be too lenient."""
+    after = {"decode_tokens_per_s": 120.0, "kl_mean": 0.002, "kl_method": "top-k lower bound (k=20, first 256 positions)"}
+    v = Policy().judge(Layer.HARDWARE, NOTE_ARGS[0], after, NOTE_ARGS[1], NOTE_ARGS[2])
+    assert v.kept and "guard kl_mean judged a lower bound (top-k lower bound (k=20, first 256 positions)): it can only be too lenient" in v.reason

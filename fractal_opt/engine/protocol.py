@@ -116,6 +116,24 @@ class Engine(abc.ABC):
         pieces (the quality probes' KL and flip rate). A runtime that cannot give them raises."""
         raise NotImplementedError(f"{type(self).__name__} gives no teacher-forced log-probabilities")
 
+    def top_logprobs(self, input_ids: Sequence[int], *, k: int) -> list[dict[int, float]]:
+        """Teacher-forced top-``k`` next-token log-probabilities, one row per position of
+        ``input_ids``: row ``j`` maps the ``k`` most likely tokens after ``input_ids[:j + 1]`` to
+        their log-probabilities under the full softmax. A row may hold a few more known entries (vLLM
+        adds the position's actual next token). The quality probes' fallback for a runtime that
+        gives no full distributions (top-1 flips exactly, a lower bound on KL).
+
+        Default: the top ``k`` of :meth:`next_token_logprobs`; a runtime that gives neither raises
+        NotImplementedError.
+        """
+        import torch
+
+        rows: list[dict[int, float]] = []
+        for lp in self.next_token_logprobs(torch.as_tensor(list(input_ids), dtype=torch.long)):
+            values, indices = lp.topk(min(k, lp.shape[-1]), dim=-1)
+            rows.extend(dict(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist()))
+        return rows
+
     def reset_response_cache(self) -> None:
         """Empty the plan's response cache and its counters (a no-op without one)."""
 

@@ -2,9 +2,15 @@
 
 - ``kl_mean`` / ``kl_p99`` / ``kl_max``: KL(baseline || candidate) of the teacher-forced
   next-token distributions on the shipped reference text (``fractal_opt/data/reference.txt``).
-- ``top1_flip``: share of reference positions whose most likely next token changed.
+- ``top1_flip``: share of reference positions whose most likely next token changed (a tie for
+  first place with the baseline's token is no change).
 - ``ppl_ratio``: candidate perplexity / baseline perplexity on the same text, with a 95% interval
   (``ppl_ratio_low`` / ``ppl_ratio_high``) from the per-token log-likelihood differences.
+- ``kl_method`` / ``ppl_method``: how those were computed. ``"full"`` from the candidate's full
+  distributions; on a runtime that gives only its top-k (llama.cpp, vLLM: ``Engine.top_logprobs``)
+  ``"top-k lower bound (k=20, first 256 positions)"``, the KL numbers then being lower bounds and
+  the flip rate exact (see topk.py); ``"unavailable: <why>"`` where the runtime gives neither, the
+  numbers then None (a guard on them cannot judge).
 - ``agreement``: greedy outputs on the workload, mean over requests of the matching prefix length
   divided by the baseline output's length (1.0 = identical; strict: one early flip gives ~0);
   ``similarity`` is the gentler token-sequence similarity (difflib ratio), averaged.
@@ -40,12 +46,20 @@ class QualityConfig:
     Attributes:
         reference_tokens: how many tokens of the reference text (about 2,700 shipped) the KL probe
             scores, in chunks of 512; each model-changing step pays one prefill over them.
+        top_k: the k asked of a runtime that gives only top-k log-probabilities (the KL lower
+            bound tightens as k grows). 20 is vLLM's default ``--max-logprobs``, its largest k.
+        top_k_positions: the first positions of the reference text such a runtime scores.
+            llama.cpp pays one request per position: on the embedded model at k=20, 256
+            positions took 6.7 s on the shared 2-core CPU (load average 1.4), 1,023 took 46 s.
+            The KL bound against llama.cpp was 0.0022 over 256 positions, 0.0019 over 1,023.
         eval: a packaged eval set name (``basics``) or a .yaml/.jsonl path; scored on every step.
         eval_max_new_tokens: the answer budget for eval items.
         probes: custom probes, ``"package.module:function"``.
     """
 
     reference_tokens: int = 1024
+    top_k: int = 20
+    top_k_positions: int = 256
     eval: str | None = None
     eval_max_new_tokens: int = 24
     probes: tuple[str, ...] = ()
@@ -55,6 +69,9 @@ class QualityConfig:
 
         if self.reference_tokens < 16:
             raise RecipeError(f"quality, key 'reference_tokens': got {self.reference_tokens}, expected an integer >= 16.")
+        for name in ("top_k", "top_k_positions"):
+            if getattr(self, name) < 1:
+                raise RecipeError(f"quality, key {name!r}: got {getattr(self, name)}, expected an integer >= 1.")
         if self.eval_max_new_tokens < 1:
             raise RecipeError(f"quality, key 'eval_max_new_tokens': got {self.eval_max_new_tokens}, expected an integer >= 1.")
         for spec in self.probes:
@@ -94,6 +111,8 @@ class Reference:
     top_logprobs: torch.Tensor  # [T-1, K] their log-probabilities
     token_nll: torch.Tensor  # [T-1] baseline negative log-likelihood of the actual next token
     outputs: dict[str, list[int]]  # request id -> baseline greedy output tokens
+    top_k: int = 20  # QualityConfig.top_k: the k asked of a top-k-only candidate
+    top_k_positions: int = 256  # QualityConfig.top_k_positions: the positions such a candidate scores
 
 
 def _reference_ids(engine: Engine, config: QualityConfig) -> torch.Tensor:
@@ -124,11 +143,34 @@ def build_reference(engine: Engine, outputs: dict[str, list[int]], config: Quali
         tops.append(indices)
         top_lps.append(values)
         nlls.append(-lp.gather(1, targets.view(-1, 1))[:, 0])
-    return Reference(token_ids=ids, top_ids=torch.cat(tops), top_logprobs=torch.cat(top_lps), token_nll=torch.cat(nlls), outputs=outputs)
+    return Reference(token_ids=ids, top_ids=torch.cat(tops), top_logprobs=torch.cat(top_lps), token_nll=torch.cat(nlls), outputs=outputs,
+                     top_k=config.top_k, top_k_positions=config.top_k_positions)
 
 
-def model_probes(reference: Reference, engine: Engine) -> dict[str, float]:
-    """KL, flip rate and perplexity ratio of ``engine`` against the baseline.
+def model_probes(reference: Reference, engine: Engine) -> dict[str, Any]:
+    """KL, flip rate and perplexity ratio of ``engine`` against the baseline, and how they were got.
+
+    From the candidate's full distributions where it gives them (``kl_method: "full"``); else from
+    its top-k (:meth:`Engine.top_logprobs`): the exact flip rate and a lower bound on KL
+    (``"top-k lower bound (k=.., first .. positions)"``, topk.py); else all None with
+    ``"unavailable: <why>"``.
+    """
+    try:
+        return _full_probes(reference, engine)
+    except NotImplementedError:
+        pass  # a runtime without full distributions: try its top-k
+    try:
+        return _top_k_probes(reference, engine)
+    except NotImplementedError as e:
+        why = f"unavailable: {e}"
+        return {**dict.fromkeys(_PROBE_NUMBERS), "kl_method": why, "ppl_method": why}
+
+
+_PROBE_NUMBERS = ("kl_mean", "kl_p99", "kl_max", "top1_flip", "ppl_ratio", "ppl_ratio_low", "ppl_ratio_high")
+
+
+def _full_probes(reference: Reference, engine: Engine) -> dict[str, Any]:
+    """The probes from full distributions.
 
     KL is computed over the baseline's top-K tokens plus one bucket for all other tokens: the KL
     of these coarsened distributions, a lower bound on the full KL that equals it when the
@@ -147,21 +189,59 @@ def model_probes(reference: Reference, engine: Engine) -> dict[str, float]:
         cand_rest = (1 - cand.exp().sum(-1)).clamp_min(1e-12)
         kl = (base.exp() * (base - cand)).sum(-1) + base_rest * (base_rest.log() - cand_rest.log())
         kls.append(kl.clamp_min(0))  # tiny negatives are rounding
-        flips.append(lp.argmax(-1) != top_ids[:, 0])
+        flips.append(lp.gather(1, top_ids[:, :1])[:, 0] < lp.max(-1).values)  # a tie for first is no flip (topk.py)
         nlls.append(-lp.gather(1, targets.view(-1, 1))[:, 0])
         start += n
     kl = torch.cat(kls)
-    diff = torch.cat(nlls) - reference.token_nll  # per-token log perplexity change
+    return {**_kl_numbers(kl), "top1_flip": round(torch.cat(flips).float().mean().item(), 4),
+            **_ppl_numbers(torch.cat(nlls) - reference.token_nll), "kl_method": "full", "ppl_method": "full"}
+
+
+def _top_k_probes(reference: Reference, engine: Engine) -> dict[str, Any]:
+    """The probes from the candidate's top-k rows on the first ``reference.top_k_positions``
+    positions: the flip rate exactly, KL as a lower bound, perplexity where every actual next
+    token is in its row (topk.py says why each holds)."""
+    import torch
+
+    from .topk import flipped, kl_lower_bound
+
+    k = reference.top_k
+    n = min(reference.top_k_positions, reference.top_ids.shape[0])
+    # One token more than the rows kept: vLLM's row for a prompt's last position comes from the
+    # generated token's top-k, which need not hold the actual next token (every other row does).
+    rows = engine.top_logprobs(reference.token_ids[: n + 1].tolist(), k=k)[:n]
+    if len(rows) < n:
+        msg = f"{type(engine).__name__}.top_logprobs returned {len(rows)} rows for {n} positions"
+        raise ValueError(msg)
+    top_ids, top_lps = reference.top_ids[:n].tolist(), reference.top_logprobs[:n].tolist()
+    targets = reference.token_ids[1 : n + 1].tolist()
+    kls, flips, nlls = [], [], []
+    for row, ids, lps, target in zip(rows, top_ids, top_lps, targets):
+        kls.append(kl_lower_bound(dict(zip(ids, lps)), row))
+        flips.append(flipped(row, ids[0]))
+        nlls.append(-row[target] if target in row else None)
+    missing = sum(v is None for v in nlls)
+    out: dict[str, Any] = {**_kl_numbers(torch.tensor(kls, dtype=torch.float64)), "top1_flip": round(sum(flips) / n, 4)}
+    if missing:
+        out.update(dict.fromkeys(("ppl_ratio", "ppl_ratio_low", "ppl_ratio_high")))
+        ppl_method = f"unavailable: the actual next token is outside the candidate's top-{k} at {missing} of {n} positions"
+    else:
+        out.update(_ppl_numbers(torch.tensor(nlls) - reference.token_nll[:n]))
+        ppl_method = f"top-k (k={k}, first {n} positions; the actual next token is in every row)"
+    return {**out, "kl_method": f"top-k lower bound (k={k}, first {n} positions)", "ppl_method": ppl_method}
+
+
+def _kl_numbers(kl: torch.Tensor) -> dict[str, float]:
+    """Mean, 99th percentile and max of per-position KLs [n]."""
+    import torch
+
+    return {"kl_mean": round(kl.mean().item(), 6), "kl_p99": round(torch.quantile(kl, 0.99).item(), 6), "kl_max": round(kl.max().item(), 6)}
+
+
+def _ppl_numbers(diff: torch.Tensor) -> dict[str, float]:
+    """Perplexity ratio and its 95% normal interval from per-token log-likelihood changes [n]."""
     mean, half = diff.mean().item(), 1.96 * diff.std().item() / math.sqrt(diff.numel())  # 95% normal interval
-    return {
-        "kl_mean": round(kl.mean().item(), 6),
-        "kl_p99": round(torch.quantile(kl, 0.99).item(), 6),
-        "kl_max": round(kl.max().item(), 6),
-        "top1_flip": round(torch.cat(flips).float().mean().item(), 4),
-        "ppl_ratio": round(math.exp(mean), 4),
-        "ppl_ratio_low": round(math.exp(mean - half), 4),
-        "ppl_ratio_high": round(math.exp(mean + half), 4),
-    }
+    return {"ppl_ratio": round(math.exp(mean), 4), "ppl_ratio_low": round(math.exp(mean - half), 4), "ppl_ratio_high": round(math.exp(mean + half), 4)}
 
 
 def agreement_between(base: dict[str, list[int]], outputs: dict[str, list[int]]) -> float:
