@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_SPEC ?= torch==2.13.0
 OUT ?= fractal-out
 
-.PHONY: setup demo test clean
+.PHONY: setup setup-vllm demo test clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# Optional: the vLLM environment (.venv-vllm) the `vllm` runtime launches; vLLM pins its own torch
+# and transformers, so it cannot share $(VENV). About 90 s from nothing with uv (scripts/setup-vllm.sh).
+setup-vllm:
+	bash scripts/setup-vllm.sh
 
 demo: setup
 	$(VENV)/bin/fractal-opt run recipes/quickstart.yaml --out $(OUT)

@@ -78,6 +78,12 @@ class Engine(abc.ABC):
         """Why this runtime cannot honour ``plan`` (a field it cannot map), or None."""
         return None
 
+    @classmethod
+    def takes_whole_device(cls, plan: Plan) -> bool:
+        """True when a server for ``plan`` reserves most of its device at start (vLLM on a GPU), so
+        it cannot be measured side by side with another plan's model."""
+        return False
+
     def prepare(self, requests: Sequence[Request], workload: Workload) -> dict[str, float]:
         """Start-up work a user pays once before serving (compiling, warming caches), untimed by the
         measurement; returns the timings to show (e.g. ``{"compile_s": 41.0}``). Default: none."""

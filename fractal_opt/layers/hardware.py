@@ -40,6 +40,22 @@ class Runtime(Pass):
     layer = Layer.HARDWARE
 
     backend: Literal["transformers", "llama_cpp", "vllm"] = "llama_cpp"
+    # vllm only: where vLLM is (None = $FRACTAL_OPT_VLLM_URL / $FRACTAL_OPT_VLLM, then .venv-vllm),
+    # and how many GPUs one layer (tensor) or the stack of layers (pipeline) is split over.
+    path: str | None = None
+    url: str | None = None
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if self.backend != "vllm":
+            extra = {k: v for k, v in (("path", self.path), ("url", self.url)) if v is not None}
+            extra.update({k: v for k, v in (("tensor_parallel", self.tensor_parallel), ("pipeline_parallel", self.pipeline_parallel)) if v != 1})
+            if extra:
+                raise RecipeError(f"pass 'runtime': {sorted(extra)} apply to backend 'vllm' only, got backend {self.backend!r} with {extra}.")
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, name) < 1:
+                raise RecipeError(f"pass 'runtime': {name} must be >= 1 (GPUs), got {getattr(self, name)}.")
 
     def unavailable(self, machine: Machine) -> str | None:
         package = RUNTIME_PACKAGES.get(self.backend)
@@ -48,7 +64,8 @@ class Runtime(Pass):
         return None
 
     def apply(self, plan: Plan) -> Plan:
-        return plan.replace_section("hardware", runtime=self.backend)
+        return plan.replace_section("hardware", runtime=self.backend, runtime_path=self.path, runtime_url=self.url,
+                                    tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel)
 
 
 @register

@@ -6,6 +6,7 @@
   and stops at the last one where no guard trips.
 - ``streaming``: callers get tokens as they are generated, or all at the end.
 - ``queue``: a bounded queue and a per-request timeout.
+- ``prefix_cache``: the server reuses the KV cache of a prompt prefix it has seen (llama.cpp, vLLM).
 
 These passes change how requests are served, so the pipeline judges them under load (the
 workload's ``load`` profile): aggregate output tokens/s is the objective, TTFT / ITL percentiles
@@ -22,7 +23,7 @@ from ..machine import Machine
 from ..passes import Layer, Pass, register
 from ..plan import Plan
 
-__all__ = ["Batching", "Concurrency", "Queue", "Streaming"]
+__all__ = ["Batching", "Concurrency", "PrefixCache", "Queue", "Streaming"]
 
 
 @register
@@ -181,6 +182,26 @@ class Streaming(Pass):
 
     def apply(self, plan: Plan) -> Plan:
         return plan.replace_section("scheduling", streaming=self.enabled)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class PrefixCache(Pass):
+    """Let the server reuse the KV cache of a prompt prefix it has already computed (llama.cpp, vLLM).
+
+    Chat turns and RAG prompts share long prefixes (a system prompt, the earlier turns), so a
+    server that keeps their keys/values skips most of the prefill: it attacks TTFT. Off by default,
+    because the measured suite repeats its prompts and a cached prefix then makes TTFT a cache hit:
+    keep it for workloads whose real traffic shares prefixes. transformers refuses it.
+    """
+
+    name = "prefix_cache"
+    layer = Layer.SCHEDULING
+
+    enabled: bool = True
+
+    def apply(self, plan: Plan) -> Plan:
+        return plan.replace_section("scheduling", prefix_cache=self.enabled)
 
 
 @register

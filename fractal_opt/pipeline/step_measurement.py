@@ -85,6 +85,8 @@ class StepMeasurer:
                          capacity_bytes=self.machine.device_memory_bytes(device))
 
     def _fits_side_by_side(self, candidate: Plan, previous: Plan) -> bool:
+        if runtimes.takes_whole_device(candidate) or runtimes.takes_whole_device(previous):
+            return False  # a server that reserves the device (vLLM on a GPU) cannot start beside another model
         _, cand = self.preflight(candidate)
         if "weight_bytes" not in cand or not cand["capacity_bytes"]:
             return True  # nothing known against it; the engine cache holds two models anyway

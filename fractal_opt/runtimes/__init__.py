@@ -20,7 +20,7 @@ from ..errors import FractalOptError, RecipeError, closest
 from ..machine import Machine
 from ..plan import Plan
 
-__all__ = ["RUNTIMES", "Engine", "availability", "build", "clear_cache", "evict_except", "from_recipe", "refuse"]
+__all__ = ["RUNTIMES", "Engine", "availability", "build", "clear_cache", "evict_except", "from_recipe", "refuse", "takes_whole_device"]
 
 RUNTIMES = ("transformers", "llama_cpp", "vllm")
 
@@ -67,6 +67,11 @@ def refuse(plan: Plan) -> str | None:
     return _engine_class(plan.hardware.runtime).refuse(plan)
 
 
+def takes_whole_device(plan: Plan) -> bool:
+    """True when the plan's runtime reserves most of its device at start (see the protocol)."""
+    return _engine_class(plan.hardware.runtime).takes_whole_device(plan)
+
+
 def build(plan: Plan, *, machine: Machine | None = None, progress: Callable[[str], None] = print, max_new_tokens: int | None = None) -> protocol.Engine:
     """Load (or reuse) the deployment ``plan`` describes on the runtime it names."""
     return _engine_class(plan.hardware.runtime).build(plan, machine=machine, progress=progress, max_new_tokens=max_new_tokens)
@@ -82,20 +87,22 @@ def from_recipe(recipe: Any, *, progress: Callable[[str], None] = print) -> prot
 
 def evict_except(keep: set[tuple]) -> None:
     """Drop every runtime's cached models whose weights key is not in ``keep``."""
-    from . import llama_cpp
+    from . import llama_cpp, vllm
     from .transformers.engine import evict_except as transformers_evict
 
     transformers_evict(keep)
     llama_cpp.evict_except(keep)
+    vllm.evict_except(keep)
 
 
 def clear_cache() -> None:
     """Drop every runtime's cached models (frees memory; the next build loads again)."""
-    from . import llama_cpp
+    from . import llama_cpp, vllm
     from .transformers.engine import clear_cache as transformers_clear
 
     transformers_clear()
     llama_cpp.clear_cache()
+    vllm.clear_cache()
 
 
 class Engine:

@@ -299,3 +299,25 @@ def test_prepack_build_fails_clearly_on_a_module_it_cannot_pack(tiny_dir, model,
     plan = Plan(source=str(tiny_dir)).replace_section("hardware", prepack=prepack).replace_section("model", **model)
     with pytest.raises(EngineError, match=needle):
         Engine.build(plan, progress=quiet)
+
+
+def test_runtime_pass_sets_the_runtime_and_its_vllm_fields():
+    """The runtime pass names the runtime; vLLM's location and parallel sizes apply to vllm only."""
+    from fractal_opt.errors import RecipeError
+    from fractal_opt.layers.hardware import Runtime
+
+    plan = Runtime(backend="vllm", url="http://127.0.0.1:8000", tensor_parallel=2).apply(PLAN)
+    assert (plan.hardware.runtime, plan.hardware.runtime_url, plan.hardware.tensor_parallel) == ("vllm", "http://127.0.0.1:8000", 2)
+    with pytest.raises(RecipeError, match="apply to backend 'vllm' only"):
+        Runtime(backend="llama_cpp", tensor_parallel=2)
+    with pytest.raises(RecipeError, match="tensor_parallel must be >= 1"):
+        Runtime(backend="vllm", tensor_parallel=0)
+
+
+def test_transformers_refuses_the_fields_only_other_runtimes_read():
+    """A plan asking transformers for llama.cpp's flash attention or a prefix cache is refused with the field named."""
+    from fractal_opt.runtimes import refuse
+
+    assert refuse(PLAN) is None
+    reason = refuse(PLAN.replace_section("hardware", flash_attention="on").replace_section("scheduling", prefix_cache=True))
+    assert "hardware.flash_attention='on'" in reason and "scheduling.prefix_cache=True" in reason
