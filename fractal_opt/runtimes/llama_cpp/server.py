@@ -12,20 +12,20 @@ token, which stops the request and frees its slot in llama.cpp.
 
 from __future__ import annotations
 
-import functools
-import queue
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ...errors import RequestRejected
-from ...serving.server import _POLL_S, Server, Ticket
+from ...serving.slot_server import SlotServer
+from ...serving.ticket import Ticket
 
 __all__ = ["LlamaServer"]
 
 
-class LlamaServer(Server):
+class LlamaServer(SlotServer):
     """Continuous batching by llama.cpp: up to ``slots`` requests decode together."""
+
+    slot_name = "fractal-opt-llama-slot"
 
     def __init__(self, engine: Any, **kwargs: Any):
         super().__init__(engine, **kwargs)
@@ -33,42 +33,9 @@ class LlamaServer(Server):
         # inside llama.cpp, where this server can neither time it out nor see it queued.
         self.in_flight = min(self.in_flight, engine.settings.slots)
 
-    def _run(self) -> None:
-        running: set[Future[None]] = set()
-        with ThreadPoolExecutor(max_workers=self.in_flight, thread_name_prefix="fractal-opt-llama-slot") as pool:
-            while True:
-                if self._closed.is_set() and not running:
-                    return  # close() cancelled every live ticket; their callbacks stop them
-                while len(running) < self.in_flight and not self._closed.is_set():
-                    ticket = self._take()
-                    if ticket is None:
-                        break
-                    running.add(pool.submit(self._work, ticket))
-                if running:
-                    done, _ = wait(running, timeout=_POLL_S, return_when=FIRST_COMPLETED)
-                    running -= done
-                    for f in done:
-                        f.result()  # _work catches per-request errors; anything else is a server bug
-                    self._expire()
-                else:
-                    ticket = self._next(_POLL_S)  # blocks up to 20 ms, expiring deadlines meanwhile
-                    if ticket is not None:
-                        running.add(pool.submit(self._work, ticket))
-
-    def _take(self) -> Ticket | None:
-        """A queued ticket still waiting, without blocking (None when the queue is empty)."""
-        while True:
-            try:
-                ticket = self._queue.get_nowait()
-            except queue.Empty:
-                return None
-            if not ticket.finished:
-                return ticket
-
     def _work(self, ticket: Ticket) -> None:
         """Run one ticket on this slot thread, from admission to its terminal state."""
-        pieces: list[str] = []  # the text as llama.cpp streamed it (stop strings already cut)
-        ticket._decode = functools.partial(_joined, pieces)
+        pieces = self.streamed_text(ticket)  # the text as llama.cpp streamed it (stop strings already cut)
         if not ticket._start(0):  # cancelled or timed out while queued
             return
 
@@ -94,7 +61,3 @@ class LlamaServer(Server):
     def _decode(self, ids: Sequence[int]) -> str:
         """Text of a ticket that never reached a slot (no tokens: nothing to decode)."""
         return ""
-
-
-def _joined(pieces: list[str], ids: Sequence[int]) -> str:
-    return "".join(pieces)

@@ -11,22 +11,22 @@ makes vLLM abort the request and free its KV-cache blocks.
 
 from __future__ import annotations
 
-import functools
-import queue
 import threading
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from ...serving.server import _POLL_S, Server, Ticket
+from ...serving.slot_server import SlotServer
+from ...serving.ticket import Ticket
 from .engine_args import sampling
 from .openai_client import Stream
 
 __all__ = ["VllmServer"]
 
 
-class VllmServer(Server):
+class VllmServer(SlotServer):
     """Up to ``in_flight`` concurrent HTTP streams; vLLM batches them continuously."""
+
+    slot_name = "fractal-opt-vllm-stream"
 
     def __init__(self, engine: Any, **kwargs: Any):
         super().__init__(engine, **kwargs)
@@ -34,42 +34,9 @@ class VllmServer(Server):
         self._streams: dict[str, Stream] = {}  # ticket key -> its open HTTP stream
         self._streams_lock = threading.Lock()
 
-    def _run(self) -> None:
-        running: set[Future[None]] = set()
-        with ThreadPoolExecutor(max_workers=self.in_flight, thread_name_prefix="fractal-opt-vllm-stream") as pool:
-            while True:
-                if self._closed.is_set() and not running:
-                    return  # close() cancelled every live ticket, which closed their streams
-                while len(running) < self.in_flight and not self._closed.is_set():
-                    ticket = self._take()
-                    if ticket is None:
-                        break
-                    running.add(pool.submit(self._work, ticket))
-                if running:
-                    done, _ = wait(running, timeout=_POLL_S, return_when=FIRST_COMPLETED)
-                    running -= done
-                    for f in done:
-                        f.result()  # _work catches per-request errors; anything else is a server bug
-                    self._expire()
-                else:
-                    ticket = self._next(_POLL_S)  # blocks up to 20 ms, expiring deadlines meanwhile
-                    if ticket is not None:
-                        running.add(pool.submit(self._work, ticket))
-
-    def _take(self) -> Ticket | None:
-        """A queued ticket still waiting, without blocking (None when the queue is empty)."""
-        while True:
-            try:
-                ticket = self._queue.get_nowait()
-            except queue.Empty:
-                return None
-            if not ticket.finished:
-                return ticket
-
     def _work(self, ticket: Ticket) -> None:
         """Run one ticket on its stream thread, from admission to its terminal state."""
-        pieces: list[str] = []  # the text as vLLM streamed it (stop strings already cut)
-        ticket._decode = functools.partial(_joined, pieces)
+        pieces = self.streamed_text(ticket)  # the text as vLLM streamed it (stop strings already cut)
         if not ticket._start(0):  # cancelled or timed out while queued
             return
         params = sampling(self.plan, ticket.max_new_tokens, ignore_eos=self.ignore_eos, seed=self.seed)
@@ -108,7 +75,3 @@ class VllmServer(Server):
     def _decode(self, ids: Sequence[int]) -> str:
         """Text of a ticket that never reached a stream (no tokens: nothing to decode)."""
         return ""
-
-
-def _joined(pieces: list[str], ids: Sequence[int]) -> str:
-    return "".join(pieces)
