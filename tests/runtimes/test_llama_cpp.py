@@ -158,10 +158,10 @@ def test_census_counts_the_gguf_tensors(engine: LlamaCppEngine) -> None:
 
 
 def test_no_full_distributions_but_teacher_forced_top_k(engine: LlamaCppEngine) -> None:
-    """next_token_logprobs refuses; top_logprobs_along gives k sorted log-probs per position."""
-    with pytest.raises(NotImplementedError, match="top_logprobs_along"):
+    """next_token_logprobs refuses and names top_logprobs, which gives k log-probs per position."""
+    with pytest.raises(NotImplementedError, match="top_logprobs"):
         engine.next_token_logprobs([1, 2, 3])
-    rows = engine.top_logprobs_along([504, 3575, 282, 4649, 314], k=3)  # "The capital of France is"
+    rows = engine.top_logprobs([504, 3575, 282, 4649, 314], k=3)  # "The capital of France is"
     assert len(rows) == 5 and all(len(r) == 3 for r in rows)
     assert all(all(v <= 0 for v in r.values()) for r in rows)
 

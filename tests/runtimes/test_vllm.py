@@ -162,10 +162,10 @@ def test_logprobs_say_what_is_missing(fake, monkeypatch) -> None:
         next(engine.next_token_logprobs([1, 2, 3]))
 
 
-def test_prompt_top_logprobs_align_to_positions(fake, monkeypatch) -> None:
+def test_top_logprobs_align_to_positions(fake, monkeypatch) -> None:
     """Position j's entry is the distribution of token j + 1 (vLLM's prompt_logprobs shifted), the last from the generated token."""
     engine = connect(fake, monkeypatch)
-    tops = engine.prompt_top_logprobs([5, 6, 7], k=2)
+    tops = engine.top_logprobs([5, 6, 7], k=2)
     assert tops == [{6: -0.5, 1: -1.5}, {7: -0.5, 1: -1.5}, {100: -0.25, 1: -2.0}]
     body = fake.requests[-1]
     assert (body["prompt_logprobs"], body["return_tokens_as_token_ids"], body["max_tokens"]) == (2, True, 1)
@@ -401,7 +401,7 @@ def test_vllm_serves_the_embedded_model_end_to_end(monkeypatch) -> None:
         assert all(0 < len(g.token_ids) <= 12 and len(g.token_times) == len(g.token_ids) and g.prompt_tokens > 0 for g in out)
         assert engine.census()["weight_bytes"] > 100e6  # 135 M params in float32 = 0.54 GB
         prompt = [1, 9690, 198, 2683, 359, 253]  # "<|im_start|>system\nYou are a" in SmolLM2's vocabulary
-        tops = engine.prompt_top_logprobs(prompt, k=5)
+        tops = engine.top_logprobs(prompt, k=5)
         assert len(tops) == len(prompt) and all(len(t) >= 5 and all(isinstance(i, int) for i in t) for t in tops)
         assert prompt[2] in tops[1]  # position j's entry includes the actual next token
         pid = engine.process.pid

@@ -62,20 +62,6 @@ class Answer:
     t_done: float = 0.0
 
 
-class _NoApplicationState:
-    """The application-layer hooks the shared Server calls (response cache, prompt budget): this
-    runtime refuses plans that use them (settings.refusals), so every lookup misses."""
-
-    def __init__(self) -> None:
-        self.saved: dict[str, int] = {}  # prompt tokens a prompt budget removed: none here
-
-    def lookup(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def store(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
 class LlamaCppEngine(Engine):
     """A GGUF model served by llama.cpp as a Plan says. Build with :meth:`build`."""
 
@@ -86,7 +72,6 @@ class LlamaCppEngine(Engine):
         self.machine = machine
         self.load_s = load_s
         self.default_max_new_tokens = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-        self.app = _NoApplicationState()
         self.eos_id = eos_token_id(settings.model_path)
         self._tokenizer: Any = None
 
@@ -314,7 +299,7 @@ class LlamaCppEngine(Engine):
         never the full vocabulary distribution the KL probe needs. See :meth:`top_logprobs`."""
         raise NotImplementedError(
             "the llama_cpp runtime gives no full teacher-forced distributions (llama.cpp's server returns top-k "
-            "log-probabilities only); LlamaCppEngine.top_logprobs(ids, k=...) (formerly top_logprobs_along) gives teacher-forced top-k"
+            "log-probabilities only); LlamaCppEngine.top_logprobs(ids, k=...) gives teacher-forced top-k"
         )
 
     def top_logprobs(self, input_ids: Sequence[int], *, k: int) -> list[dict[int, float]]:
@@ -346,10 +331,6 @@ class LlamaCppEngine(Engine):
             content = ((out["choices"][0].get("logprobs") or {}).get("content") or [{}])[0]
             rows.append({int(t["id"]): float(t["logprob"]) for t in content.get("top_logprobs", [])})
         return rows
-
-    def top_logprobs_along(self, input_ids: Sequence[int], *, k: int = 10) -> list[dict[int, float]]:
-        """The former name of :meth:`top_logprobs` (tests/runtimes/test_llama_cpp.py still calls it)."""
-        return self.top_logprobs(input_ids, k=k)
 
 
 _TOKENIZERS: dict[str, Any] = {}

@@ -41,20 +41,6 @@ __all__ = ["VllmEngine"]
 _READY_TIMEOUT_S = 900.0  # a cold CPU start measured 81 s on the 2-core box; GPU starts with compile take minutes
 
 
-class _NoApplicationState:
-    """The Server base asks the engine's app for cached answers; the vllm runtime refuses a
-    response cache in :meth:`VllmEngine.refuse`, so there is never one to consult."""
-
-    def __init__(self) -> None:
-        self.saved: dict[str, int] = {}  # prompt tokens a prompt budget removed: none without one
-
-    def lookup(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def store(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
 class VllmEngine(Engine):
     """A plan served by a ``vllm serve`` process (or a running server). Build with :meth:`build`."""
 
@@ -69,7 +55,6 @@ class VllmEngine(Engine):
         self.load_s = load_s
         self.default_max_new_tokens = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         self.model: str | None = client.base_url  # None once closed; the Server base checks it
-        self.app = _NoApplicationState()
         s = plan.scheduling
         self.max_num_seqs = 1 if s.batching == "sequential" else s.max_concurrency or _CONTINUOUS_DEFAULT_IN_FLIGHT
 
@@ -230,10 +215,6 @@ class VllmEngine(Engine):
                 "prompt_logprobs": k, "logprobs": k, "return_tokens_as_token_ids": True}
         choice = self.client.post_json("/v1/completions", body)["choices"][0]
         return parse_prompt_logprobs(choice, len(ids))
-
-    def prompt_top_logprobs(self, token_ids: Sequence[int], *, k: int = 20) -> list[dict[int, float]]:
-        """The former name of :meth:`top_logprobs` (tests/runtimes/test_vllm.py still calls it)."""
-        return self.top_logprobs(token_ids, k=k)
 
     def close(self) -> None:
         """Stop using the server: it keeps running for other engines and the cache, which stops
