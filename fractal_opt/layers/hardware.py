@@ -118,7 +118,12 @@ class Dtype(Pass):
 @register
 @dataclass(frozen=True, kw_only=True)
 class Threads(Pass):
-    """Set torch's intra-op thread count (``auto`` = the physical cores of this machine)."""
+    """Set the compute thread count (``auto`` = the physical cores): torch's intra-op threads, or llama.cpp's / vLLM's.
+
+    A count equal to what the plan already runs is refused (a measured no-op only lets noise
+    decide). Without a count the plan runs the runtime's own default: torch's is known from the
+    machine probe; llama.cpp's and vLLM's are their own, so there the pass is measured.
+    """
 
     name = "threads"
     layer = Layer.HARDWARE
@@ -138,7 +143,8 @@ class Threads(Pass):
             return f"thread count only matters for CPU inference; the plan runs on {plan.hardware.device}"
         if isinstance(self.count, int) and self.count > machine.logical_cores:
             return f"count={self.count} exceeds the {machine.logical_cores} logical cores of this machine"
-        current = plan.hardware.threads if isinstance(plan.hardware.threads, int) else machine.torch_threads
+        default = machine.torch_threads if plan.hardware.runtime == "transformers" else None  # another runtime's default is its own
+        current = plan.hardware.threads if isinstance(plan.hardware.threads, int) else default
         if plan.hardware.threads == "auto":
             current = machine.physical_cores
         if current is not None and self.resolve(machine) == current:

@@ -241,6 +241,18 @@ def test_threads_that_change_nothing_are_skipped_by_check():
     assert Threads(count=1).check(Plan(source="x"), machine) is None
 
 
+def test_threads_on_another_runtime_are_measured_against_its_own_default():
+    """On llama.cpp the plan's default thread count is llama.cpp's, not torch's: threads auto is tried, not skipped."""
+    from fractal_opt.layers.hardware import Threads
+    from fractal_opt.plan import Plan
+    from fractal_opt.testing import cpu_machine
+
+    machine = cpu_machine(torch_threads=2, physical_cores=2)
+    on_llama = Plan(source="x").replace_section("hardware", runtime="llama_cpp")
+    assert Threads(count="auto").check(on_llama, machine) is None
+    assert "already runs 2" in Threads(count=2).check(on_llama.replace_section("hardware", threads=2), machine)
+
+
 # --------------------------------------------------------------------------- prepack
 
 
