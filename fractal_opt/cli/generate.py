@@ -1,0 +1,24 @@
+"""``fractal-opt generate RECIPE PROMPT``: answer one prompt with a (tuned) recipe's deployment."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add(sub) -> None:
+    p = sub.add_parser("generate", help="answer a prompt with a recipe's deployment")
+    p.add_argument("recipe")
+    p.add_argument("prompt")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.set_defaults(func=generate)
+
+
+def generate(args: argparse.Namespace) -> int:
+    from ..runtimes import Engine
+
+    engine = Engine.from_recipe(args.recipe, progress=lambda m: print(m, file=sys.stderr))
+    for piece in engine.stream(args.prompt, max_new_tokens=args.max_new_tokens):
+        print(piece, end="", flush=True)
+    print()
+    return 0
