@@ -200,8 +200,8 @@ class PromptLookup(Pass):
 
     Greedy output is unchanged by construction (drafted tokens are verified by the model). It pays
     off for RAG and editing, where answers quote the prompt, and costs time on chat, where nothing
-    matches (../shared/research/cpu-passes.md: 3.2x decode on a quoting RAG answer, 19.9 -> 16.2
-    tokens/s on short chat). One request at a time; no beams.
+    matches (docs/passes.md: recipes/rag.yaml kept it at e2e -34.6%, recipes/chat-assistant.yaml
+    rolled it back at e2e +24.2%). One request at a time; no beams.
     """
 
     name = "prompt_lookup"

@@ -46,8 +46,8 @@ class Quantize(Pass):
     """Store linear-layer weights in 8 or 4 bits to cut the bytes read per decode token (bandwidth, capacity).
 
     ``backend: auto`` picks what works: bitsandbytes for its own methods (int8 / nf4 / fp4) and
-    on CUDA; torchao otherwise (int8 weight-only decoded SmolLM2 at ~16 tokens/s on the project's
-    CPU against ~8 for bitsandbytes int8; ../shared/research/cpu-passes.md). ``method`` picks the
+    on CUDA; torchao otherwise (int8 weight-only decoded SmolLM2 at 9.5 tokens/s on the project's
+    CPU against 5.7 for bitsandbytes int8; docs/passes.md, "Measured numbers"). ``method`` picks the
     family within a backend (see METHODS). ``group_size`` sets weights per scale for torchao 4-bit.
     ``skip`` keeps modules in full precision (names, globs, ``first:N`` / ``last:N``; see
     quant_select.py). ``sensitivity: true`` measures each block's KL when quantized alone and keeps
