@@ -1,6 +1,7 @@
 """Recipes: YAML <-> Recipe, validated strictly before any model is loaded.
 
 ```yaml
+version: 1                            # the recipe format (optional; a newer one than this fractal_opt reads is refused)
 model: smollm2-135m-instruct          # embedded name, local dir, .gguf file or hub id
 workload: {suite: default, max_new_tokens: 32, repeats: 3}
 policy:
@@ -15,11 +16,18 @@ passes:
 ```
 
 A pass entry is ``{name: {param: value}}`` or a bare ``name`` for its defaults. Errors name the
-field, the value, what is allowed and the closest valid name.
+field, the value, what is allowed and the closest valid name; every problem of a file is reported
+at once (:class:`fractal_opt.validate.RecipeProblems`). Validation reads no weights but checks all
+it can without them: the model's files and headers, the suite and eval set, and that every prompt
+fits the model's positions and the recipe's context cap.
+
+``dump_recipe`` writes only what differs from the defaults, in block style, with ``version:`` on
+top: the file users check into their repositories, so a diff shows a real change.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,12 +42,17 @@ from .passes import Layer, Pass
 from .plan import Plan
 from .policy import Policy
 from .quality.probes import QualityConfig
-from .validate import build
-from .workload import Workload
+from .targets import Targets, parse_targets
+from .validate import Problems, build, plain, read_text, yaml_problem
+from .workload import Request, Workload
 
-__all__ = ["Recipe", "dump_recipe", "load_recipe"]
+__all__ = ["RECIPE_VERSION", "Recipe", "dump_recipe", "load_recipe"]
 
-TOP_LEVEL = ("name", "model", "workload", "policy", "quality", "passes")
+# The recipe format this fractal_opt reads and writes. Bump it when a field changes meaning, so an
+# older fractal_opt refuses a newer recipe instead of misreading it.
+RECIPE_VERSION = 1
+
+TOP_LEVEL = ("version", "name", "model", "workload", "policy", "quality", "targets", "passes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +65,7 @@ class Recipe:
     quality: QualityConfig = field(default_factory=QualityConfig)
     passes: tuple[Pass, ...] = ()  # in tower order (by layer, then recipe order)
     name: str | None = None
+    targets: Targets = field(default_factory=Targets)  # the numbers wanted (pipeline/targets.py)
 
     def base_plan(self) -> Plan:
         """The baseline: the model as plain transformers would run it."""
@@ -64,34 +78,76 @@ class Recipe:
             plan = p.apply(plan).with_applied(p.name)
         return plan
 
-    def to_dict(self) -> dict[str, Any]:
-        from .validate import plain
+    def code(self) -> list[str]:
+        """The Python code this recipe imports and runs (``quality.probes``), as ``module:function``."""
+        return list(self.quality.probes)
+
+    def to_dict(self, *, defaults: bool = True) -> dict[str, Any]:
+        """The recipe as plain data; ``defaults=False`` leaves out every value that is the default
+        (a pass with default parameters becomes its bare name)."""
 
         def section(obj: Any) -> dict[str, Any]:
-            import dataclasses
-
-            return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+            return {k: plain(v) for k, v in _fields(obj) if defaults or v != _default(type(obj), k)}
 
         grouped: dict[str, list] = {}
         for p in self.passes:
-            grouped.setdefault(p.layer.section, []).append({p.name: p.params()})
-        out: dict[str, Any] = {}
+            params = {k: plain(v) for k, v in _fields(p) if defaults or v != _default(type(p), k)}
+            grouped.setdefault(p.layer.section, []).append({p.name: params} if params or defaults else p.name)
+        out: dict[str, Any] = {"version": RECIPE_VERSION}
         if self.name:
             out["name"] = self.name
-        out.update(model=self.model, workload=section(self.workload), policy=section(self.policy), quality=section(self.quality), passes=grouped)
+        out["model"] = self.model
+        for key, obj in (("workload", self.workload), ("policy", self.policy), ("quality", self.quality)):
+            values = section(obj)
+            if values or defaults:
+                out[key] = values
+        if self.targets:
+            out["targets"] = self.targets.to_dict()
+        if grouped or defaults:
+            out["passes"] = grouped
         return out
 
 
+def _fields(obj: Any) -> list[tuple[str, Any]]:
+    import dataclasses
+
+    return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+
+
+def _default(cls: type, name: str) -> Any:
+    import dataclasses
+
+    f = cls.__dataclass_fields__[name]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Block style with list items indented under their key, as yamllint and most editors expect."""
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False):
+        return super().increase_indent(flow, False)
+
+
 def dump_recipe(recipe: Recipe, path: str | Path | None = None, *, header: str = "") -> str:
-    """Recipe -> YAML text (written to ``path`` when given)."""
-    text = header + yaml.safe_dump(recipe.to_dict(), sort_keys=False, default_flow_style=None, width=110)
+    """Recipe -> YAML text, only what differs from the defaults, block style, ``version:`` on top
+    (written to ``path`` when given)."""
+    data = recipe.to_dict(defaults=False)
+    text = header + yaml.dump(data, Dumper=_BlockDumper, sort_keys=False, default_flow_style=False, width=110, allow_unicode=True)
     if path is not None:
         Path(path).write_text(text, encoding="utf-8")
     return text
 
 
-def load_recipe(source: Recipe | Mapping[str, Any] | str | Path, *, check_model: bool = True) -> Recipe:
+def load_recipe(source: Recipe | Mapping[str, Any] | str | Path, *, check_model: bool = True, complete_model: bool = False) -> Recipe:
     """Load and validate a recipe from a path, YAML text, a dict, or a Recipe (returned as is).
+
+    ``check_model`` resolves the model and checks the files it has (config, headers) and that the
+    prompts fit it; ``complete_model`` also requires weights and a tokenizer in a model folder
+    (``fractal-opt check`` asks for it; see ``models.check_files``).
 
     Raises:
         RecipeError: anything invalid, before any model is loaded.
@@ -99,74 +155,164 @@ def load_recipe(source: Recipe | Mapping[str, Any] | str | Path, *, check_model:
     if isinstance(source, Recipe):
         return source
     where = "recipe"
-    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml"))):
+    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and (source.endswith((".yaml", ".yml")) or ":" not in source)):
         path = Path(source)
-        if not path.is_file():
-            raise RecipeError(f"recipe file {str(path)!r} does not exist.")
         where = str(path)
-        source = path.read_text(encoding="utf-8")
+        source = read_text(path, what="recipe file")
     if isinstance(source, str):
         try:
             data = yaml.safe_load(source)
         except yaml.YAMLError as e:
-            raise RecipeError(f"{where}: not valid YAML: {e}") from None
+            raise RecipeError(f"{where}: not valid YAML{yaml_problem(e)}.") from None
     else:
         data = source
     if not isinstance(data, Mapping):
         raise RecipeError(f"{where}: expected a mapping with keys {list(TOP_LEVEL)}, got {type(data).__name__}.")
-    return parse_recipe(data, where=where, check_model=check_model)
+    return parse_recipe(data, where=where, check_model=check_model, complete_model=complete_model)
 
 
-def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model: bool = True) -> Recipe:
+def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model: bool = True, complete_model: bool = False) -> Recipe:
+    """Validate a recipe mapping; every problem found is reported at once (RecipeProblems)."""
+    found = Problems()
     for key in data:
         if key not in TOP_LEVEL:
-            raise RecipeError(f"{where}: unknown key {key!r}. Valid keys are: {list(TOP_LEVEL)}.{closest(str(key), TOP_LEVEL)}")
+            found.add(f"{where}: unknown key {key!r}. Valid keys are: {list(TOP_LEVEL)}.{closest(str(key), TOP_LEVEL)}")
+    with found.collect(f"{where}: "):
+        _check_version(data.get("version"), where=where)
+    model = data.get("model")
+    source = None
     if "model" not in data:
-        raise RecipeError(f"{where}: missing key 'model' (an embedded name such as {sorted(models.EMBEDDED)[0]!r}, a local directory, a .gguf file or a hub id).")
-    model = data["model"]
-    if not isinstance(model, str):
-        raise RecipeError(f"{where}, key 'model': got {model!r}, expected a string.")
-    if check_model:
+        found.add(f"{where}: missing key 'model' (an embedded name such as {min(models.EMBEDDED)!r}, a local directory, a .gguf file or a hub id).")
+    elif not isinstance(model, str):
+        found.add(f"{where}, key 'model': got {model!r}, expected a string.")
+    elif check_model:
         try:
-            models.resolve(model)
+            source = models.resolve(model)
+            models.check_files(source, complete=complete_model)
         except ModelSourceError as e:
-            raise RecipeError(f"{where}: {e}") from None
+            found.add(f"{where}: {e}")
+            source = None
     name = data.get("name")
     if name is not None and not isinstance(name, str):
-        raise RecipeError(f"{where}, key 'name': got {name!r}, expected a string.")
-    workload = build(Workload, data.get("workload"), where=f"{where}: workload")
-    workload.requests()  # validates the suite now, not after the model has loaded
-    policy = build(Policy, data.get("policy"), where=f"{where}: policy")
-    quality = build(QualityConfig, data.get("quality"), where=f"{where}: quality")
-    if quality.eval:
+        found.add(f"{where}, key 'name': got {name!r}, expected a string.")
+    workload = policy = quality = None
+    requests: list[Request] = []
+    with found.collect(f"{where}: "):
+        workload = build(Workload, data.get("workload"), where=f"{where}: workload")
+    if workload is not None:
+        with found.collect(f"{where}: "):
+            requests = workload.requests()  # validates the suite now, not after the model has loaded
+    with found.collect(f"{where}: "):
+        policy = build(Policy, data.get("policy"), where=f"{where}: policy")
+    guards = data["policy"].get("guards") if isinstance(data.get("policy"), Mapping) else None
+    for path, value in _non_finite(guards, "policy.guards"):  # a NaN limit would never trip (the rest is bounded by build)
+        found.add(f"{where}: {path}: got {value!r}, expected a finite number.")
+    with found.collect(f"{where}: "):
+        quality = build(QualityConfig, data.get("quality"), where=f"{where}: quality")
+    eval_requests: list[Request] = []
+    if quality is not None and quality.eval:
         from .quality.evals import load_eval_set
 
-        load_eval_set(quality.eval)  # validates the eval set before any model loads
-    passes = _parse_passes(data.get("passes"), where=f"{where}: passes")
-    return Recipe(model=model, workload=workload, policy=policy, quality=quality, passes=passes, name=name)
+        with found.collect(f"{where}: "):
+            eval_requests = [item.request for item in load_eval_set(quality.eval)]  # before any model loads
+    passes = _parse_passes(data.get("passes"), where=f"{where}: passes", found=found)
+    targets = None
+    with found.collect(f"{where}: "):
+        targets = parse_targets(data.get("targets"), where=f"{where}: targets")
+    if source is not None and workload is not None:
+        with found.collect(f"{where}: "):
+            _check_prompts(source, requests, workload.max_new_tokens, passes, where=f"{where}: workload suite {workload.suite!r}")
+            if quality is not None:
+                _check_prompts(source, eval_requests, quality.eval_max_new_tokens, passes, where=f"{where}: quality eval {quality.eval!r}")
+    found.raise_if_any()
+    assert isinstance(model, str) and workload and policy and quality and targets is not None
+    return Recipe(model=model, workload=workload, policy=policy, quality=quality, passes=passes, name=name, targets=targets)
 
 
-def _parse_passes(data: Any, *, where: str) -> tuple[Pass, ...]:
+def _non_finite(value: Any, path: str):
+    """(path, value) for every infinite or NaN number in nested YAML data."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _non_finite(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _non_finite(v, f"{path}[{i}]")
+
+
+def _check_version(version: Any, *, where: str) -> None:
+    if version is None:
+        return
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise RecipeError(f"{where}, key 'version': got {version!r}, expected a recipe format number (this fractal_opt writes {RECIPE_VERSION}).")
+    if version > RECIPE_VERSION:
+        import importlib.metadata  # the installed version, without importing the package face from below
+
+        try:
+            installed = importlib.metadata.version("fractal-opt")
+        except importlib.metadata.PackageNotFoundError:
+            installed = "(not installed)"
+        raise RecipeError(
+            f"{where}, key 'version': this recipe is format {version}, newer than fractal_opt {installed} reads (up to {RECIPE_VERSION}). "
+            "Upgrade fractal-opt (pip install -U fractal-opt) to run it."
+        )
+
+
+def _check_prompts(source: models.ModelSource, requests: list[Request], max_new_tokens: int, passes: tuple[Pass, ...], *, where: str) -> None:
+    """Refuse a request whose prompt plus ``max_new_tokens`` cannot fit the model's positions or
+    the recipe's context cap: counted from the tokenizer file (exact) or the GGUF vocabulary (a
+    lower bound), without loading the model. The chat template adds a few tokens on top."""
+    caps = [p.params()["tokens"] for p in passes if p.name == "context_cap"]
+    limits = [(n, "the model's positions") for n in [models.positions(source)] if n]
+    limits += [(min(caps), "the context_cap pass's cap")] if caps else []
+    counter = models.token_counter(source) if requests and limits else None
+    if counter is None:
+        return
+    count, exact = counter
+    found = Problems()
+    for r in requests:
+        n = sum(count(content) for _, content in r.messages)
+        for limit, what in limits:
+            if n + max_new_tokens > limit:
+                found.add(
+                    f"{where}, request {r.id!r}: the prompt has {'' if exact else 'at least '}{n} tokens, "
+                    f"plus max_new_tokens {max_new_tokens} is {n + max_new_tokens}, over {what} ({limit}). "
+                    "Shorten the prompt or lower max_new_tokens" + (" (or raise context_cap tokens)." if "cap" in what else ".")
+                )
+                break
+    found.raise_if_any()
+
+
+def _parse_passes(data: Any, *, where: str, found: Problems) -> tuple[Pass, ...]:
     if data is None:
         return ()
     layers = [layer.section for layer in Layer]
     if not isinstance(data, Mapping):
-        raise RecipeError(f"{where}: expected a mapping of layer -> list of passes, with layers {layers}; got {data!r}.")
+        found.add(f"{where}: expected a mapping of layer -> list of passes, with layers {layers}; got {data!r}.")
+        return ()
     by_layer: dict[Layer, list[Pass]] = {}
     for layer_name, entries in data.items():
-        layer = Layer.from_name(layer_name)  # raises with the valid layers
+        try:
+            layer = Layer.from_name(layer_name)  # raises with the valid layers
+        except RecipeError as e:
+            found.add(f"{where}: {e}")
+            continue
         if entries is None:
             continue
         if not isinstance(entries, list):
-            raise RecipeError(f"{where}.{layer_name}: expected a list of passes like [{{name: {{param: value}}}}], got {entries!r}.")
+            found.add(f"{where}.{layer_name}: expected a list of passes like [{{name: {{param: value}}}}], got {entries!r}.")
+            continue
         for i, entry in enumerate(entries):
-            by_layer.setdefault(layer, []).append(_parse_entry(entry, layer, where=f"{where}.{layer_name}[{i}]"))
+            with found.collect():  # every bad pass of the file, not the first
+                by_layer.setdefault(layer, []).append(_parse_entry(entry, layer, where=f"{where}.{layer_name}[{i}]"))
     seen: set[Pass] = set()
     ordered = []
     for layer in Layer:
         for p in by_layer.get(layer, []):
             if p in seen:
-                raise RecipeError(f"{where}: pass {p.describe()} is listed twice.")
+                found.add(f"{where}: pass {p.describe()} is listed twice.")
+                continue
             seen.add(p)
             ordered.append(p)
     return tuple(ordered)

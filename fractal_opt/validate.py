@@ -1,20 +1,196 @@
 """Checking YAML values against dataclass fields: names, types and the closest valid name.
 
 Used for pass parameters, workloads and policies, so every part of a recipe fails the same way:
-the field, the value, what is allowed and the closest valid name.
+the field, the value, what is allowed and the closest valid name. :func:`build` reports every bad
+key of a section at once (:class:`RecipeProblems`), and :class:`Problems` collects them section by
+section, so ``fractal-opt check`` lists everything wrong with a file in one go.
+
+Every number is bounded (:func:`bounds`): finite, not negative, and below a ceiling no real
+deployment reaches, so a typo (``repeats: 100000000000``, ``timeout_s: .inf``) is refused before
+any work starts. A field may declare its own range with ``metadata={"bounds": (low, high)}``;
+:data:`NAMED_BOUNDS` holds the ranges of fields whose unit makes a tighter ceiling obvious
+(tokens, fractions). The JSON Schema (fractal_opt/schema.py) reads the same ranges.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Literal, Union
 
 from .errors import RecipeError, closest
 
-__all__ = ["build", "coerce", "plain", "type_name"]
+__all__ = ["MAX_TOKENS", "NAMED_BOUNDS", "Problems", "RecipeProblems", "bounds", "build", "check_bounds", "coerce", "load_data", "plain", "problems_of", "read_text", "type_name", "yaml_problem"]
+
+# 10 M tokens: the longest context window of any released model (Llama 4 Scout). A token count
+# above it is a typo, and would size caches of terabytes.
+MAX_TOKENS = 10_000_000
+# A C int: what runtimes and kernels take for counts (llama.cpp's slots, CUDA grid sizes).
+MAX_INT = 2**31 - 1
+# Seconds, milliseconds, rates, penalties: 1e9 is 31 years of seconds; anything above is a typo.
+MAX_FLOAT = 1e9
+# Fields whose unit gives a tighter range than the type's, by field name or "owner.field" (owner =
+# the pass name, or the section class name in lower case). Lower bounds a field's own
+# __post_init__ checks with a better message stay there; these catch what nothing else did.
+NAMED_BOUNDS: dict[str, tuple[float, float]] = {
+    **{name: (0, 1) for name in ("cancel_fraction", "memory_headroom", "head_share", "threshold", "top_p", "min_p")},
+    "max_memory_percent": (0, 100),
+    "max_new_tokens.limit": (1, MAX_TOKENS),
+    "repeats": (1, 10_000),
+    "max_repeats": (1, 10_000),
+    "warmup": (0, 10_000),
+    "seed": (0, 2**32 - 1),  # numpy's and llama.cpp's seed range
+    "top_k": (0, 2**20),  # a k over the vocabulary (the largest are ~256 k tokens)
+    "num_beams": (1, 1024),
+    "batch_size": (1, 65_536),
+    "loadprofile.concurrency": (1, 1_000_000),
+    "loadprofile.requests": (1, 10_000_000),
+}
+
+
+class RecipeProblems(RecipeError):
+    """Several things wrong with one input at once; ``problems`` holds each message."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        text = self.problems[0] if len(self.problems) == 1 else f"{len(self.problems)} problems:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(text)
+
+
+def problems_of(error: RecipeError) -> list[str]:
+    """The messages an error carries: each of a :class:`RecipeProblems`, else the one."""
+    return list(error.problems) if isinstance(error, RecipeProblems) else [str(error)]
+
+
+class Problems:
+    """Collects RecipeErrors part by part, so one reading of a file reports every problem in it.
+
+    Example:
+        >>> found = Problems()
+        >>> with found.collect():
+        ...     raise RecipeError("workload: bad")
+        >>> found.items
+        ['workload: bad']
+    """
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    @contextmanager
+    def collect(self, prefix: str = ""):
+        """Record the RecipeError raised inside the block (each problem starting with ``prefix``)."""
+        try:
+            yield
+        except RecipeError as e:
+            head = prefix.rstrip(": ")  # a message that already names the file keeps its own wording
+            self.items.extend(p if p.startswith(head) else f"{prefix}{p}" for p in problems_of(e))
+
+    def add(self, message: str) -> None:
+        self.items.append(message)
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            raise RecipeProblems(self.items)
+
+
+def read_text(path: Path, *, what: str) -> str:
+    """A text file's contents, or a RecipeError naming the file: missing, a folder, unreadable, not UTF-8."""
+    if path.is_dir():
+        raise RecipeError(f"{what} {str(path)!r} is a folder, expected a file.")
+    if not path.is_file():
+        raise RecipeError(f"{what} {str(path)!r} does not exist.")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise RecipeError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}.") from None
+    try:
+        return raw.decode("utf-8-sig")  # a byte-order mark is allowed and dropped
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise RecipeError(f"{what} {str(path)!r} is not UTF-8 text: byte {e.start} (line {line}) is {raw[e.start:e.start + 1]!r}. Save it as UTF-8.") from None
+
+
+def load_data(path: Path, *, what: str) -> Any:
+    """Parse a ``.yaml`` / ``.yml`` / ``.json`` / ``.jsonl`` file (a ``.jsonl`` file becomes the list
+    of its lines' values), or raise a RecipeError naming the file, the line and what is wrong."""
+    import json
+
+    import yaml
+
+    text = read_text(path, what=what)
+    if path.suffix == ".jsonl":
+        out = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise RecipeError(f"{what} {str(path)!r}: line {number} is not valid JSON ({e.msg} at column {e.colno}); each line holds one JSON object.") from None
+        return out
+    try:
+        return yaml.safe_load(text)  # JSON is YAML too
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{what} {str(path)!r} is not valid YAML{yaml_problem(e)}.") from None
+
+
+def yaml_problem(error: Exception) -> str:
+    """``" at line L, column C: what"`` for a PyYAML error (its own text spans several lines)."""
+    mark = getattr(error, "problem_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{at}: {getattr(error, 'problem', None) or error}"
+
+
+def _owner(cls: type) -> str:
+    name = getattr(cls, "name", None)
+    return name if isinstance(name, str) else cls.__name__.lower()
+
+
+def bounds(cls: type, f: dataclasses.Field, annotation: Any) -> tuple[float, float] | None:
+    """The allowed range of a numeric field (None for a field that holds no numbers)."""
+    if "bounds" in f.metadata:
+        return tuple(f.metadata["bounds"])  # type: ignore[return-value]
+    numbers = _number_types(annotation)
+    if not numbers:
+        return None
+    named = NAMED_BOUNDS.get(f"{_owner(cls)}.{f.name}") or NAMED_BOUNDS.get(f.name)
+    if named:
+        return named
+    if "tokens" in f.name or f.name == "page_size":
+        return (0, MAX_TOKENS)
+    return (0, MAX_INT) if numbers == {int} else (0, MAX_FLOAT)
+
+
+def _number_types(annotation: Any) -> set[type]:
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType, tuple):
+        return {t for a in typing.get_args(annotation) if a is not Ellipsis for t in _number_types(a)}
+    return {annotation} if annotation in (int, float) else set()
+
+
+def check_bounds(value: Any, allowed: tuple[float, float] | None, *, where: str) -> None:
+    """Refuse a number (or a list of numbers) that is not finite or outside ``allowed``.
+
+    Raises:
+        RecipeError: naming ``where``, the value and the range.
+    """
+    if allowed is None:
+        return
+    for v in value if isinstance(value, tuple) else (value,):
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            continue
+        low, high = allowed
+        if not math.isfinite(v) or not low <= v <= high:
+            kind = "an integer" if isinstance(v, int) else "a finite number"
+            raise RecipeError(f"{where}: got {v!r}, expected {kind} in [{_num(low)}, {_num(high)}].")
+
+
+def _num(x: float) -> str:
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
 
 
 def build(cls: type, data: Mapping[str, Any] | None, *, where: str, noun: str = "key") -> Any:
@@ -31,14 +207,19 @@ def build(cls: type, data: Mapping[str, Any] | None, *, where: str, noun: str = 
         msg = f"{where}: expected a mapping like {{name: value}}, got {data!r}."
         raise RecipeError(msg)
     hints = typing.get_type_hints(cls)
-    fields = [f.name for f in dataclasses.fields(cls) if f.init]
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     values = {}
+    found = Problems()
     for key, value in data.items():
         if key not in fields:
             valid = sorted(fields)
-            msg = f"{where}: unknown {noun} {key!r}. Valid {noun}s are: {valid}.{closest(str(key), valid)}"
-            raise RecipeError(msg)
-        values[key] = coerce(value, hints[key], where=f"{where}, {noun} {key!r}")
+            found.add(f"{where}: unknown {noun} {key!r}. Valid {noun}s are: {valid}.{closest(str(key), valid)}")
+            continue
+        with found.collect():
+            coerced = coerce(value, hints[key], where=f"{where}, {noun} {key!r}")
+            check_bounds(coerced, bounds(cls, fields[key], hints[key]), where=f"{where}, {noun} {key!r}")
+            values[key] = coerced
+    found.raise_if_any()  # every bad key at once; the class's own checks need the values right
     try:
         return cls(**values)
     except RecipeError:

@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -43,20 +42,31 @@ class Request:
         if isinstance(data, str):
             data = {"prompt": data}
         if not isinstance(data, dict):
-            raise RecipeError(f"{where}: request {index} must be a mapping with 'messages' or 'prompt', got {data!r}.")
+            raise RecipeError(f"{where}: request {index} must be a mapping with 'messages' or 'prompt', got {_short(data)}.")
         rid = str(data.get("id", f"request-{index + 1}"))
         if "messages" in data:
             messages = data["messages"]
-            if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
-                raise RecipeError(f"{where}: request {rid!r}: 'messages' must be a list of {{role, content}} mappings.")
-            pairs = tuple((str(m["role"]), str(m["content"])) for m in messages)
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
+                raise RecipeError(f"{where}: request {rid!r}: 'messages' must be a non-empty list of {{role, content}} mappings, got {_short(messages)}.")
+            bad = [m for m in messages if not isinstance(m["role"], str) or not isinstance(m["content"], str)]
+            if bad:
+                raise RecipeError(f"{where}: request {rid!r}: a message's role and content must be strings, got {_short(bad[0])}.")
+            pairs = tuple((m["role"], m["content"]) for m in messages)
         elif "prompt" in data:
-            pairs = (("user", str(data["prompt"])),)
+            if not isinstance(data["prompt"], str) or not data["prompt"].strip():
+                raise RecipeError(f"{where}: request {rid!r}: 'prompt' must be a non-empty string, got {_short(data['prompt'])}.")
+            pairs = (("user", data["prompt"]),)
         else:
             raise RecipeError(f"{where}: request {rid!r} needs 'messages' (a chat) or 'prompt' (one user turn).")
         if "chunks" in data:
             pairs = _with_chunks(pairs, data["chunks"], where=f"{where}: request {rid!r}")
         return cls(id=rid, messages=pairs)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a suite may hold megabytes of prompt)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _with_chunks(pairs: tuple[tuple[str, str], ...], chunks: Any, *, where: str) -> tuple[tuple[str, str], ...]:
@@ -132,22 +142,23 @@ class Workload:
         raw = data.get("requests") if isinstance(data, dict) else data
         if not isinstance(raw, list) or not raw:
             raise RecipeError(f"{where}: expected a non-empty list of requests.")
-        requests = [Request.from_data(item, index=i, where=where) for i, item in enumerate(raw)]
+        from .validate import Problems
+
+        found = Problems()  # every bad request of the file, not the first
+        requests = []
+        for i, item in enumerate(raw):
+            with found.collect():
+                requests.append(Request.from_data(item, index=i, where=where))
+        found.raise_if_any()
         return requests[: self.limit] if self.limit else requests
 
 
 def _load_suite(suite: str) -> Any:
+    from .validate import load_data
+
     path = Path(suite).expanduser()
     if path.suffix in (".yaml", ".yml", ".jsonl", ".json"):
-        if not path.is_file():
-            raise RecipeError(f"workload, key 'suite': file {suite!r} does not exist.")
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".jsonl":
-            try:
-                return [json.loads(line) for line in text.splitlines() if line.strip()]
-            except json.JSONDecodeError as e:
-                raise RecipeError(f"workload suite {suite!r}: line {e.lineno} is not valid JSON: {e.msg}.") from None
-        return yaml.safe_load(text)
+        return load_data(path, what="workload, key 'suite': file")
     names = packaged_suites()
     if suite not in names:
         msg = f"workload, key 'suite': unknown suite {suite!r}. Packaged suites are: {names}, or give a path to a .yaml/.jsonl file.{closest(suite, names)}"

@@ -82,3 +82,123 @@ def test_run_writes_results(tiny_dir, small_recipe, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "max_new_tokens" in captured.out and "Wrote" in captured.out
     assert "baseline" not in captured.err and "measuring" not in captured.err, "--quiet still printed the progress line"
+
+
+def test_version_and_exit_codes_in_help(capsys):
+    """`--version` prints the version and exits 0; `--help` documents the exit codes 0 / 1 / 2 / 130."""
+    import fractal_opt
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"fractal-opt {fractal_opt.__version__}"
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "exit codes:" in out
+    for code in ("0 ", "1 ", "2 ", "130"):
+        assert f"  {code}" in out
+
+
+def test_python_dash_m_runs_the_cli():
+    """`python -m fractal_opt --version` works as a process (the package's __main__)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fractal_opt", "--version"], check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("fractal-opt ")
+
+
+def test_check_many_files_reports_each(tiny_dir, small_recipe, tmp_path, capsys):
+    """`check a.yaml b.yaml`: each file is reported (valid or with all its problems); exit 2 when any is invalid."""
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(small_recipe(tiny_dir, passes={"hardware": ["dtype"]})))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"model: {tiny_dir}\nworkload: {{repeats: 0, max_new_tokens: -1}}\npasses:\n  hardware: [dtpe]\n")
+    assert main(["check", str(good), str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert f"{good}: valid" in captured.out
+    assert "3 problems" in captured.err and "'repeats'" in captured.err and "'max_new_tokens'" in captured.err and "'dtpe'" in captured.err
+    assert "2 files: 1 valid, 1 invalid." in captured.err
+    assert main(["check", str(good), str(good)]) == 0
+
+
+def test_check_json(tiny_dir, small_recipe, tmp_path, capsys):
+    """`check --json` prints a machine-readable report: valid, per file its passes and the code it imports."""
+    path = tmp_path / "ok.yaml"
+    data = small_recipe(tiny_dir, passes={"hardware": ["dtype"]})
+    data["quality"] = {"probes": ["mypkg.probes:score"], "allow_code": True}
+    path.write_text(yaml.safe_dump(data))
+    assert main(["check", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["valid"] is True
+    (entry,) = report["files"]
+    assert entry["file"] == str(path) and entry["valid"] and entry["problems"] == []
+    assert entry["imports"] == ["mypkg.probes:score"]
+    assert entry["passes"] == [{"layer": "hardware", "pass": "dtype(dtype=bfloat16)"}]
+
+
+def test_check_echoes_the_code_a_recipe_imports(tiny_dir, small_recipe, tmp_path, capsys):
+    """A recipe with probes and allow_code is valid, and check says which code it would import (without importing it)."""
+    data = small_recipe(tiny_dir)
+    data["quality"] = {"probes": ["surely_not_installed_pkg:probe"], "allow_code": True}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["check", str(path)]) == 0
+    assert "this recipe imports and runs: surely_not_installed_pkg:probe" in capsys.readouterr().out
+
+
+def test_passes_json_and_machine_only_reasons(monkeypatch, capsys):
+    """`passes --json` lists every pass; on a CPU without bf16 units and no GPU, matmul_precision is unavailable with the reason."""
+    from fractal_opt.machine import Machine
+    from fractal_opt.testing import cpu_machine
+
+    monkeypatch.setattr(Machine, "probe", classmethod(lambda cls, *a, **k: cpu_machine()))
+    assert main(["passes", "--json"]) == 0
+    entries = {e["name"]: e for e in json.loads(capsys.readouterr().out)}
+    assert set(entries) == set(registry())
+    mp = entries["matmul_precision"]
+    assert mp["available"] is False and "bf16" in mp["unavailable"] and "no CUDA GPU" in mp["unavailable"]
+    assert {p["name"] for p in mp["params"]} == {"precision"}
+    assert entries["dtype"]["available"] is True and entries["dtype"]["unavailable"] is None
+    assert main(["passes"]) == 0
+    out = capsys.readouterr().out
+    assert "not available here: lower matmul precision needs TF32" in out
+
+
+def test_schema_validates_shipped_recipes_and_refuses_a_bad_one(capsys):
+    """`fractal-opt schema` prints a valid draft 2020-12 JSON Schema; every shipped recipe satisfies it
+    (checked with the jsonschema package), and recipes with a misspelled pass, a wrong type or an
+    out-of-range number do not."""
+    from pathlib import Path
+
+    import jsonschema
+
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    shipped = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
+    assert shipped
+    for path in shipped:
+        errors = [e.message for e in validator.iter_errors(yaml.safe_load(path.read_text()))]
+        assert not errors, f"{path.name}: {errors}"
+    for bad in (
+        {"model": "m", "passes": {"hardware": [{"dtpe": {}}]}},
+        {"model": "m", "workload": {"repeats": "three"}},
+        {"model": "m", "workload": {"max_new_tokens": 100_000_000_000}},
+        {"model": "m", "passes": {"model": [{"quantize": {"bitz": 8}}]}},
+        {"workload": {}},
+        {"model": "m", "workloda": {}},
+        {"model": "m", "version": 99},
+    ):
+        assert not validator.is_valid(bad), bad
+
+
+def test_schema_covers_every_pass_and_top_level_key():
+    """The schema is built from the registry and the recipe's keys: every pass and every top-level key is in it."""
+    from fractal_opt.recipe import TOP_LEVEL
+    from fractal_opt.schema import recipe_schema
+
+    schema = recipe_schema()
+    assert list(schema["properties"]) == list(TOP_LEVEL)
+    text = json.dumps(schema["properties"]["passes"])
+    for name in registry():
+        assert f'"{name}"' in text, name

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fractal_opt.errors import RecipeError
 from fractal_opt.layers.application import MaxNewTokens
@@ -12,6 +13,7 @@ from fractal_opt.layers.hardware import Dtype, Threads
 from fractal_opt.layers.model import Quantize
 from fractal_opt.recipe import Recipe, dump_recipe, load_recipe
 from fractal_opt.testing import embedded_installed
+from fractal_opt.validate import RecipeProblems
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
 
@@ -196,3 +198,80 @@ def test_shipped_recipes_validate(path):
     """Every recipe shipped in recipes/ validates (its model source too, when the embedded-model wheel is installed)."""
     recipe = load_recipe(path, check_model=embedded_installed())
     assert recipe.model
+
+
+def test_dump_writes_only_what_differs_in_block_style():
+    """recipe.yaml holds `version:` first, then only non-default values, in block style; default-parameter passes are bare names."""
+    recipe = load_recipe(_recipe(workload={"max_new_tokens": 12}, passes={"hardware": [{"dtype": {"dtype": "bfloat16"}}, {"threads": {"count": 2}}]}),
+                         check_model=False)
+    text = dump_recipe(recipe)
+    assert text.startswith("version: 1\n")
+    data = yaml.safe_load(text)
+    assert data == {"version": 1, "model": "tiny", "workload": {"max_new_tokens": 12}, "passes": {"hardware": ["dtype", {"threads": {"count": 2}}]}}
+    assert "{" not in text and "[" not in text, f"flow style in:\n{text}"
+    for noise in ("null", "max_repeats", "\n  load:", "stop:", "policy:", "quality:"):
+        assert noise not in text, f"{noise!r} is a default and should not be written:\n{text}"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_shipped_recipes_survive_a_dump(path):
+    """Every shipped recipe written by dump_recipe loads back equal."""
+    recipe = load_recipe(path, check_model=False)
+    assert load_recipe(dump_recipe(recipe), check_model=False) == recipe
+
+
+def test_version_is_read():
+    """`version: 1` loads; a newer version is refused with the version this fractal_opt reads and how to upgrade."""
+    assert load_recipe(_recipe(version=1), check_model=False).model == "tiny"
+    msg = _error(_recipe(version=2))
+    assert "'version'" in msg and "format 2" in msg and "up to 1" in msg and "pip install -U fractal-opt" in msg
+    assert "'version'" in _error(_recipe(version="1"))
+
+
+def test_every_problem_is_reported_at_once():
+    """One load reports every problem of the file, across sections and passes, not only the first."""
+    with pytest.raises(RecipeProblems) as info:
+        load_recipe(_recipe(workloda={}, workload={"repeats": 0, "warmup": "x"}, policy={"objective": "nope"},
+                            passes={"hardware": ["dtpe", {"threads": {"count": -1}}], "modle": []}), check_model=False)
+    problems = info.value.problems
+    assert len(problems) == 7, problems
+    for text in ("'workloda'", "'repeats'", "'warmup'", "'nope'", "'dtpe'", "'count'", "'modle'"):
+        assert any(text in p for p in problems), text
+    assert f"{len(problems)} problems" in str(info.value)
+
+
+def test_every_numeric_parameter_is_bounded():
+    """No pass parameter takes 1e20, infinity or a negative number: every numeric field has a range."""
+    import dataclasses
+    import typing
+
+    from fractal_opt.layers import registry
+    from fractal_opt.validate import bounds
+
+    checked = 0
+    for cls in registry().values():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            allowed = bounds(cls, f, hints[f.name])
+            if allowed is None:
+                continue
+            is_list = typing.get_origin(hints[f.name]) is tuple
+            for value in (10**20, -1, float("inf"), float("nan")):
+                with pytest.raises(RecipeError):
+                    cls.from_params({f.name: [value] if is_list else value})
+            checked += 1
+    assert checked >= 30
+
+
+def test_probes_need_an_explicit_opt_in():
+    """quality.probes imports code: refused without quality.allow_code, accepted with it, and listed by Recipe.code()."""
+    msg = _error(_recipe(quality={"probes": ["mypkg.mod:probe"]}))
+    assert "mypkg.mod:probe" in msg and "allow_code: true" in msg
+    recipe = load_recipe(_recipe(quality={"probes": ["mypkg.mod:probe"], "allow_code": True}), check_model=False)
+    assert recipe.code() == ["mypkg.mod:probe"]
+    assert load_recipe(_recipe(), check_model=False).code() == []
+
+
+def test_non_finite_guard_limit_refused():
+    """A guard limit of .nan or .inf is refused (a NaN limit never trips)."""
+    assert "finite" in _error(_recipe(policy={"guards": {"kl_mean": {"max": float("nan")}}}))

@@ -10,8 +10,18 @@ def add(sub) -> None:
     p = sub.add_parser("generate", help="answer a prompt with a recipe's deployment")
     p.add_argument("recipe")
     p.add_argument("prompt")
-    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=_positive_tokens, default=None, help="cap on new tokens (default: the plan's)")
     p.set_defaults(func=generate)
+
+
+def _positive_tokens(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected a whole number of tokens from 1 to 1,000,000")
+    return value
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -4,33 +4,63 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
+from typing import Any
 
 
 def add(sub) -> None:
-    p = sub.add_parser("passes", help="list every pass by layer")
+    p = sub.add_parser("passes", help="list every pass by layer, and whether it can run on this machine")
+    p.add_argument("--json", action="store_true", help="print [{name, layer, summary, params, available, unavailable, runtimes}] instead of text")
     p.set_defaults(func=passes)
 
 
-def passes(args: argparse.Namespace) -> int:
+def describe_passes() -> list[dict[str, Any]]:
+    """Every registered pass, bottom up: its parameters and why this machine cannot run it (or None)."""
     from ..layers import passes_by_layer
     from ..machine import Machine
-    from ..validate import type_name
+    from ..validate import plain, type_name
 
     machine = Machine.probe()
+    out = []
     for layer, classes in passes_by_layer().items():
-        print(f"{layer.value}. {layer.section}")
         for cls in classes:
             hints = typing.get_type_hints(cls)
-            params = ", ".join(f"{f.name}: {type_name(hints[f.name])} = {f.default!r}" for f in dataclasses.fields(cls))
+            params = [{"name": f.name, "type": type_name(hints[f.name]), "default": plain(_default(f))} for f in dataclasses.fields(cls)]
             why = cls().unavailable(machine)
-            here = "available on this machine" if why is None else f"not available here: {why}"
-            print(f"   {cls.name:<16} {cls.summary()}")
-            print(f"   {'':<16} params: {params or '-'}")
-            print(f"   {'':<16} {here}")
+            entry: dict[str, Any] = {"name": cls.name, "layer": layer.section, "summary": cls.summary(), "params": params,
+                                     "available": why is None, "unavailable": why}
             if cls.name == "runtime":
                 from ..runtimes import availability
 
-                for runtime, reason in availability(machine).items():
-                    print(f"   {'':<16}   {runtime:<13} {'runs here' if reason is None else 'not here: ' + reason}")
+                entry["runtimes"] = availability(machine)  # runtime -> None (runs here) or why not
+            out.append(entry)
+    return out
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def passes(args: argparse.Namespace) -> int:
+    from ..passes import Layer
+
+    entries = describe_passes()
+    if args.json:
+        print(json.dumps(entries, indent=2))
+        return 0
+    layer = None
+    for e in entries:
+        if e["layer"] != layer:
+            layer = e["layer"]
+            print(f"{Layer.from_name(layer).value}. {layer}")
+        params = ", ".join(f"{p['name']}: {p['type']} = {p['default']!r}" for p in e["params"])
+        print(f"   {e['name']:<16} {e['summary']}")
+        print(f"   {'':<16} params: {params or '-'}")
+        print(f"   {'':<16} {'available on this machine' if e['available'] else 'not available here: ' + e['unavailable']}")
+        for runtime, reason in (e.get("runtimes") or {}).items():
+            print(f"   {'':<16}   {runtime:<13} {'runs here' if reason is None else 'not here: ' + reason}")
     return 0
+

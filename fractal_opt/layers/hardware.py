@@ -292,6 +292,14 @@ class MatmulPrecision(Pass):
 
     precision: Literal["highest", "high", "medium"] = "high"
 
+    def unavailable(self, machine: Machine) -> str | None:
+        # A machine-only reason: with neither a TF32 GPU nor CPU bf16 matrix units, `check` would
+        # refuse every plan here, so `fractal-opt passes` must not call the pass available.
+        if self.precision == "highest" or machine.cuda_bf16 or machine.cpu_native_bf16:
+            return None
+        gpu = "this GPU is older than compute capability 8.0" if machine.has_cuda else "there is no CUDA GPU"
+        return f"lower matmul precision needs TF32 (a CUDA GPU of compute capability >= 8.0) or CPU bf16 matrix units (AVX512-BF16 or AMX); {gpu} and this CPU has no bf16 units"
+
     def check(self, plan: Plan, machine: Machine) -> str | None:
         hw = plan.hardware
         if hw.dtype != "float32":

@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ..errors import RecipeError, closest
+from ..validate import Problems, load_data
 from ..workload import Request
 
 if TYPE_CHECKING:
@@ -56,17 +56,8 @@ def load_eval_set(name: str) -> list[EvalItem]:
     """Load and validate a packaged eval set by name, or a ``.yaml`` / ``.jsonl`` file."""
     where = f"quality, key 'eval': {name!r}"
     path = Path(name).expanduser()
-    if path.suffix in (".yaml", ".yml", ".jsonl"):
-        if not path.is_file():
-            raise RecipeError(f"{where}: file does not exist.")
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".jsonl":
-            try:
-                data: Any = [json.loads(line) for line in text.splitlines() if line.strip()]
-            except json.JSONDecodeError as e:
-                raise RecipeError(f"{where}: line {e.lineno} is not valid JSON: {e.msg}.") from None
-        else:
-            data = yaml.safe_load(text)
+    if path.suffix in (".yaml", ".yml", ".jsonl", ".json"):
+        data: Any = load_data(path, what="quality, key 'eval': file")
     else:
         names = packaged_eval_sets()
         if name not in names:
@@ -75,21 +66,30 @@ def load_eval_set(name: str) -> list[EvalItem]:
     raw = data.get("items") if isinstance(data, dict) else data
     if not isinstance(raw, list) or not raw:
         raise RecipeError(f"{where}: expected a non-empty list of items.")
+    found = Problems()  # every bad item of the file, not the first
     items = []
     for i, item in enumerate(raw):
-        if not isinstance(item, dict) or "answer" not in item:
-            raise RecipeError(f"{where}: item {i} needs 'prompt' or 'messages', and 'answer'.")
-        match = item.get("match", "contains")
-        if match not in MATCH_KINDS:
-            raise RecipeError(f"{where}: item {i}: unknown match {match!r}. Valid kinds are: {list(MATCH_KINDS)}.{closest(str(match), MATCH_KINDS)}")
-        if match == "regex":
-            try:
-                re.compile(str(item["answer"]))
-            except re.error as e:
-                raise RecipeError(f"{where}: item {i}: answer {item['answer']!r} is not a valid regex: {e}.") from None
-        request = Request.from_data({k: v for k, v in item.items() if k in ("id", "prompt", "messages")} | {"id": item.get("id", f"eval-{i + 1}")}, index=i, where=where)
-        items.append(EvalItem(request=request, answer=str(item["answer"]), match=match))
+        with found.collect():
+            items.append(_item(item, i, where=where))
+    found.raise_if_any()
     return items
+
+
+def _item(item: Any, i: int, *, where: str) -> EvalItem:
+    if not isinstance(item, dict) or "answer" not in item:
+        raise RecipeError(f"{where}: item {i} needs 'prompt' or 'messages', and 'answer'.")
+    if isinstance(item["answer"], bool) or not isinstance(item["answer"], str | int | float):
+        raise RecipeError(f"{where}: item {i}: 'answer' must be a string (or a number), got {item['answer']!r}.")
+    match = item.get("match", "contains")
+    if match not in MATCH_KINDS:
+        raise RecipeError(f"{where}: item {i}: unknown match {match!r}. Valid kinds are: {list(MATCH_KINDS)}.{closest(str(match), MATCH_KINDS)}")
+    if match == "regex":
+        try:
+            re.compile(str(item["answer"]))
+        except re.error as e:
+            raise RecipeError(f"{where}: item {i}: answer {item['answer']!r} is not a valid regex: {e}.") from None
+    request = Request.from_data({k: v for k, v in item.items() if k in ("id", "prompt", "messages")} | {"id": item.get("id", f"eval-{i + 1}")}, index=i, where=where)
+    return EvalItem(request=request, answer=str(item["answer"]), match=match)
 
 
 def matches(output: str, answer: str, match: str) -> bool:

@@ -16,7 +16,9 @@
   ``similarity`` is the gentler token-sequence similarity (difflib ratio), averaged.
 - ``accuracy``: share of a task eval set answered right (``quality.eval``; see evals.py).
 - custom probes: ``quality.probes: ["pkg.module:function"]``; the function receives the engine and
-  returns named numbers, stored as ``function.name``.
+  returns named numbers, stored as ``function.name``. A probe is code that runs in this process:
+  a recipe that names one must also say ``quality.allow_code: true`` (docs/quality.md, "Trust
+  boundary"), and ``fractal-opt check`` / ``run`` print what it imports.
 
 Model-level probes (KL, flips, perplexity) are recomputed only when the plan's numerics changed
 (``Plan.numerics_key``); a pass that changes only decoding or scheduling reuses them.
@@ -55,6 +57,8 @@ class QualityConfig:
         eval: a packaged eval set name (``basics``) or a .yaml/.jsonl path; scored on every step.
         eval_max_new_tokens: the answer budget for eval items.
         probes: custom probes, ``"package.module:function"``.
+        allow_code: the recipe's author allows importing and running ``probes`` (Python code, with
+            the permissions of whoever runs the recipe). Without it a recipe naming probes is refused.
     """
 
     reference_tokens: int = 1024
@@ -63,6 +67,7 @@ class QualityConfig:
     eval: str | None = None
     eval_max_new_tokens: int = 24
     probes: tuple[str, ...] = ()
+    allow_code: bool = False
 
     def __post_init__(self) -> None:
         from ..errors import RecipeError
@@ -77,6 +82,11 @@ class QualityConfig:
         for spec in self.probes:
             if spec.count(":") != 1 or not all(spec.split(":")):
                 raise RecipeError(f"quality, key 'probes': {spec!r} is not of the form 'package.module:function'.")
+        if self.probes and not self.allow_code:
+            raise RecipeError(
+                f"quality, key 'probes': this recipe would import and run Python code: {', '.join(self.probes)}. "
+                "A probe runs in this process with your permissions; if you trust that code, add `allow_code: true` under quality."
+            )
 
     def load_probes(self) -> dict[str, Callable[..., dict[str, float]]]:
         """Import the custom probes (``module:function``); each takes the engine, returns named numbers."""
@@ -84,6 +94,8 @@ class QualityConfig:
 
         from ..errors import RecipeError
 
+        if self.probes and not self.allow_code:  # also for a QualityConfig changed after validation
+            raise RecipeError(f"quality, key 'probes': importing {list(self.probes)} needs quality.allow_code: true.")
         out = {}
         for spec in self.probes:
             module_name, func_name = spec.split(":")

@@ -94,7 +94,7 @@ def test_custom_probe_numbers_reach_the_trace_and_guards(tiny_dir, small_recipe,
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("myprobes", None)
     data = small_recipe(tiny_dir, passes={"application": [{"max_new_tokens": {"limit": 2}}]}, policy={"guards": {"answer_length.chars": {"max": -1}}})
-    data["quality"] = {"reference_tokens": 64, "probes": ["myprobes:answer_length"]}
+    data["quality"] = {"reference_tokens": 64, "probes": ["myprobes:answer_length"], "allow_code": True}
     result = fractal_opt.optimize(data, progress=False)
     assert "answer_length.chars" in result.trace.baseline.metrics["quality"]
     step = result.trace.steps[0]
