@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from .errors import FractalOptError, RecipeError, closest
@@ -35,7 +35,7 @@ if typing.TYPE_CHECKING:
     from .machine import Machine
     from .plan import Plan
 
-__all__ = ["ENTRY_POINT_GROUP", "Layer", "Pass", "register", "registered"]
+__all__ = ["ENTRY_POINT_GROUP", "Layer", "Pass", "StepResult", "register", "registered"]
 
 ENTRY_POINT_GROUP = "fractal_opt.passes"
 
@@ -61,6 +61,20 @@ class Layer(enum.IntEnum):
             valid = [layer.section for layer in cls]
             msg = f"Unknown layer {name!r}. Valid layers are: {valid}.{closest(name, valid)}"
             raise RecipeError(msg) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """How one step of a pass ended, as the pass sees it when it proposes the next (:meth:`Pass.next_step`).
+
+    ``status`` is the trace's (kept / rolled_back / failed / skipped), or ``unchanged`` when the
+    step was skipped because the plan already had what it sets; ``outcome`` is the verdict's
+    (kept / no_change / worse / guard / unmeasured; empty when the step was not judged).
+    """
+
+    step: Pass
+    status: str
+    outcome: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -90,24 +104,30 @@ class Pass:
         """Return a new plan with this pass applied. Must not touch other layers' sections."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------------ ramps
-    def expand(self) -> list[Pass]:
-        """The steps the runner runs for this pass, in order: ``[self]``.
+    # ------------------------------------------------------------------ searches
+    def next_step(self, history: Sequence[StepResult]) -> Pass | None:
+        """The next step the runner runs for this pass, given how its earlier steps ended, or None
+        when the pass is done. Default: the pass itself, once.
 
-        A pass that searches (a concurrency ramp) returns one pass per level; between them the
-        runner asks :meth:`stop` whether to go on, and :meth:`holds` whether to keep a level the
-        policy saw no change in.
+        A pass that searches (a concurrency search: double the level until a guard trips, then
+        bisect) proposes its steps one at a time from ``history``; the runner measures and judges
+        each like any step, asks :meth:`holds` whether to keep one the policy saw no change in,
+        and stores :meth:`conclusion` when the pass is done. The runner never knows which pass it is.
         """
-        return [self]
-
-    def stop(self, status: str, outcome: str) -> str | None:
-        """Why the rest of :meth:`expand`'s steps are skipped after one that ended ``status``
-        (kept / rolled_back / failed / skipped) with verdict ``outcome`` (empty when not judged), or None."""
-        return None
+        return None if history else self
 
     def holds(self, outcome: str) -> str | None:
-        """Why one of :meth:`expand`'s steps is kept although its verdict ``outcome`` did not keep
-        it (appended to the reason), or None: the policy's verdict stands."""
+        """Why one of :meth:`next_step`'s steps is kept although its verdict ``outcome`` did not keep
+        it (appended to the reason), or None: the policy's verdict stands. Asked only of a pass
+        whose steps are not itself (a search)."""
+        return None
+
+    def conclusion(self, history: Sequence[StepResult], *, guards: Sequence[Any] = ()) -> dict[str, Any] | None:
+        """What the steps found, for the trace and the report (``answer``: one sentence), or None.
+
+        ``guards`` are the policy's guards for the pass's layer (objects with ``metric``, ``min``,
+        ``max``), so the answer can name the limits it was found under.
+        """
         return None
 
     def params(self) -> dict[str, Any]:

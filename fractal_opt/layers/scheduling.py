@@ -2,8 +2,8 @@
 
 - ``batching``: one at a time (sequential), left-padded static batches, or transformers'
   continuous batching (requests join and leave the running batch at every step).
-- ``concurrency``: the most requests in flight; ``mode: ramp`` tries rising levels (8, 16, 32, ...)
-  and stops at the last one where no guard trips.
+- ``concurrency``: the most requests in flight; ``mode: ramp`` searches for the highest level that
+  meets every guard: it doubles the level until a guard trips, then bisects.
 - ``streaming``: callers get tokens as they are generated, or all at the end.
 - ``queue``: a bounded queue and a per-request timeout.
 - ``prefix_cache``: the server reuses the KV cache of a prompt prefix it has seen (llama.cpp, vLLM).
@@ -15,12 +15,13 @@ are guards a recipe sets.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ..errors import RecipeError
 from ..machine import Machine
-from ..passes import Layer, Pass, register
+from ..passes import Layer, Pass, StepResult, register
 from ..plan import Plan
 
 __all__ = ["Batching", "Concurrency", "PrefixCache", "Queue", "Streaming"]
@@ -100,16 +101,22 @@ class Batching(Pass):
 @register
 @dataclass(frozen=True, kw_only=True)
 class Concurrency(Pass):
-    """Limit the requests in flight; ``mode: ramp`` steps up through ``levels`` while no guard trips.
+    """Limit the requests in flight; ``mode: ramp`` searches for the highest limit that meets every guard.
 
-    A ramp is run by the pipeline as one step per level, smallest first (start small and step
-    up, never jump to hundreds and fall over). A level holds, and is kept, when no guard trips and
-    throughput does not get worse beyond noise (a ramp looks for the highest level that holds, so
-    "no change" holds too); the ramp stops at the first level where a guard trips (a TTFT / ITL
-    SLO of the recipe, memory headroom, failed requests), throughput gets worse, or the step
-    fails. The last kept level is the answer: set latency SLOs, or it climbs while throughput
-    merely holds. Under a closed-loop load the offered concurrency follows the level, so each
-    level is measured with that many clients.
+    The search runs as pipeline steps, one level each, every level judged against the last level
+    that held (start small, never jump to hundreds and fall over): from ``start`` it doubles the
+    level until one fails or ``max_limit`` is reached, then bisects between the last level that
+    held and the first that failed until they are ``resolution`` apart. A level holds, and is
+    kept, when no guard trips (a TTFT / ITL SLO of the recipe, memory headroom, failed requests)
+    and throughput is not worse beyond noise ("no change" holds: the search wants the highest
+    level that holds); it fails when a guard trips or throughput gets worse, on two measurements
+    that agree: a level whose first measurement trips is measured once more, and only a second
+    trip counts (when the second holds, it stands: one noisy round cannot end the search early).
+    A step that fails to run, or is refused (a KV cache that does not fit), fails its level at
+    once. The answer, "max concurrency that meets TTFT p90 <= 4 s: 12", is in the trace
+    (``searches``) and the last step's reason: set latency SLOs, or the search climbs while
+    throughput merely holds. Under a closed-loop load the offered concurrency follows the level.
+    ``levels: [8, ..., 64]`` (older recipes) is read as ``start: 8, max_limit: 64``.
     """
 
     name = "concurrency"
@@ -117,18 +124,32 @@ class Concurrency(Pass):
 
     mode: Literal["fixed", "ramp"] = "fixed"
     limit: int = 8
-    levels: tuple[int, ...] = (8, 16, 32, 64)
+    start: int = 1
+    max_limit: int = 128
+    resolution: int = 1
+    levels: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.limit < 1:
-            raise RecipeError(f"pass 'concurrency', parameter 'limit': got {self.limit}, expected an integer >= 1.")
-        if not self.levels or any(b <= a for a, b in zip(self.levels, self.levels[1:])) or self.levels[0] < 1:
-            raise RecipeError(f"pass 'concurrency', parameter 'levels': got {list(self.levels)}, expected rising integers >= 1 like [8, 16, 32].")
+        where = "pass 'concurrency', parameter"
+        if self.levels:
+            if any(b <= a for a, b in zip(self.levels, self.levels[1:])) or self.levels[0] < 1:
+                raise RecipeError(f"{where} 'levels': got {list(self.levels)}, expected rising integers >= 1 like [8, 16, 32] (or use start / max_limit).")
+            if (self.start, self.max_limit) != (1, 128):
+                raise RecipeError(f"{where} 'levels': give either levels (read as the search's first and last level) or start / max_limit, not both.")
+            # An older recipe's fixed levels: the search covers the same range.
+            object.__setattr__(self, "start", self.levels[0])
+            object.__setattr__(self, "max_limit", max(self.levels[-1], self.levels[0]))
+            object.__setattr__(self, "levels", ())
+        for field_name in ("limit", "start", "resolution"):
+            if getattr(self, field_name) < 1:
+                raise RecipeError(f"{where} '{field_name}': got {getattr(self, field_name)}, expected an integer >= 1.")
+        if self.max_limit < self.start:
+            raise RecipeError(f"{where} 'max_limit': got {self.max_limit}, expected an integer >= start ({self.start}).")
 
     def params(self) -> dict:
-        """Only the fields the mode reads: a ramp's levels, or a fixed limit (reports, written recipes)."""
+        """Only the fields the mode reads: a search's range, or a fixed limit (reports, written recipes)."""
         if self.mode == "ramp":
-            return {"mode": "ramp", "levels": list(self.levels)}
+            return {"mode": "ramp", "start": self.start, "max_limit": self.max_limit, "resolution": self.resolution}
         return {"mode": "fixed", "limit": self.limit}
 
     def check(self, plan: Plan, machine: Machine) -> str | None:
@@ -137,33 +158,143 @@ class Concurrency(Pass):
         return None
 
     def apply(self, plan: Plan) -> Plan:
-        limit = self.limit if self.mode == "fixed" else self.levels[0]
+        limit = self.limit if self.mode == "fixed" else self.start
         changes: dict = {"max_concurrency": limit}
         if plan.scheduling.batching == "static":
             changes["batch_size"] = limit  # a static batch is its requests in flight
         return plan.replace_section("scheduling", **changes)
 
-    def expand(self) -> list[Pass]:
-        """The fixed-level passes a ramp runs, smallest first (just ``self`` when fixed)."""
-        if self.mode == "fixed":
-            return [self]
-        return [Concurrency(mode="fixed", limit=level) for level in self.levels]
+    # ------------------------------------------------------------------ the search
+    def next_step(self, history: Sequence[StepResult]) -> Pass | None:
+        """A fixed pass at the next level to measure, from the levels measured so far (None: done).
 
-    def stop(self, status: str, outcome: str) -> str | None:
-        """A ramp steps up only from a level that held (was kept): a tripped guard, a worse
-        throughput, a failure or a skip ends it, and the last kept level is the answer."""
-        if status == "kept":
-            return None
-        why = {"guard": "a guard tripped", "worse": "throughput got worse", "unmeasured": "its objective could not be measured"}.get(outcome, "")
-        what = {"rolled_back": "was rolled back", "failed": "failed", "skipped": "was skipped"}.get(status, status)
-        return f"the previous level {what}" + (f" ({why})" if why and status == "rolled_back" else "")
+        Doubling from ``start`` while levels hold, then bisection between the highest level that
+        held and the lowest that failed; a level that tripped once is measured again first.
+        """
+        if self.mode == "fixed":
+            return None if history else self
+        level = _next_level(_verdicts(history), start=self.start, max_limit=self.max_limit, resolution=self.resolution)
+        return None if level is None else Concurrency(mode="fixed", limit=level)
 
     def holds(self, outcome: str) -> str | None:
         """A level that trips nothing and costs no throughput ("no change") holds and is kept, so
         the plan's limit is the highest level measured to hold, not a larger default."""
         if outcome == "no_change":
-            return "no guard tripped (a concurrency ramp keeps the highest level that holds)"
+            return "no guard tripped (the concurrency search keeps the highest level that holds)"
         return None
+
+    def conclusion(self, history: Sequence[StepResult], *, guards: Sequence[Any] = ()) -> dict[str, Any] | None:
+        """The search's answer: the highest level that held, the limits it was found under, and
+        every level with its measurements ("max concurrency that meets TTFT p90 <= 4 s: 12")."""
+        if self.mode == "fixed":
+            return None
+        verdicts = _verdicts(history)
+        held = [level for level, v in verdicts.items() if v == "held"]
+        failed = sorted(level for level, v in verdicts.items() if v == "failed")
+        best = max(held, default=None)
+        slos = [text for g in guards if (text := _slo_text(g))]
+        question = "max concurrency that meets " + " and ".join(slos) if slos else "max concurrency that holds (no absolute latency SLO set: the guards in force, throughput not worse)"
+        measurements = sum(r.status in ("kept", "rolled_back") for r in history)
+        if best is None and not measurements:
+            value = "not found: no level could be measured (the skipped or failed steps say why)"
+        elif best is None:
+            value = f"none: {failed[0] if failed else self.start} already fails"
+        elif best >= self.max_limit and not failed:
+            value = f"{best} or more (the search's max_limit; no level up to it failed)"
+        else:
+            value = str(best)
+        order = list(dict.fromkeys(r.step.limit for r in history))  # levels in the order first tried
+        per_level = {level: [r.status for r in history if r.step.limit == level] for level in order}
+        measured = sum(any(s in ("kept", "rolled_back") for s in statuses) for statuses in per_level.values())
+        trail = ", ".join(f"{level} {verdicts[level]}" + _measurements_text(per_level[level]) for level in order)
+        return {
+            "pass": self.name,
+            "question": question,
+            "value": best,
+            "answer": f"{question}: {value}",
+            "levels_measured": measured,
+            "measurements": measurements,
+            "levels": [{"limit": level, "verdict": verdicts[level], "statuses": per_level[level]} for level in order],
+            "summary": f"{measured} levels measured in {measurements} measurements: {trail}",
+        }
+
+
+def _verdicts(history: Sequence[StepResult]) -> dict[int, str]:
+    """Each level's verdict so far: held (kept, or the plan already had it), failed (two trips, a
+    failure or a refusal) or pending (one trip: it is measured again)."""
+    out: dict[int, str] = {}
+    for r in history:
+        level = r.step.limit  # type: ignore[attr-defined]
+        if out.get(level) in ("held", "failed"):
+            continue
+        if r.status in ("kept", "unchanged"):
+            out[level] = "held"
+        elif r.status == "rolled_back":
+            out[level] = "failed" if out.get(level) == "pending" else "pending"
+        else:  # failed or skipped: a crash or a refusal is not noise, measuring it again would not help
+            out[level] = "failed"
+    return out
+
+
+def _measurements_text(statuses: list[str]) -> str:
+    """`` (tripped twice)``, `` (tripped, then held)``; nothing for a level measured once."""
+    if len(statuses) < 2:
+        return ""
+    words = [{"kept": "held", "rolled_back": "tripped", "failed": "failed to run", "skipped": "refused"}.get(s, s) for s in statuses]
+    return " (tripped twice)" if words == ["tripped", "tripped"] else f" ({', then '.join(words)})"
+
+
+def _next_level(verdicts: dict[int, str], *, start: int, max_limit: int, resolution: int) -> int | None:
+    """The level the search measures next, or None when it is done."""
+    for level, verdict in verdicts.items():
+        if verdict == "pending":
+            return level  # a single trip is measured once more before it counts
+    held = [level for level, v in verdicts.items() if v == "held"]
+    failed = [level for level, v in verdicts.items() if v == "failed"]
+    low = max(held, default=0)
+    high = min((level for level in failed if level > low), default=None)
+    if not verdicts:
+        return start
+    if high is None:  # still doubling
+        if low >= max_limit:
+            return None
+        return min(2 * low, max_limit)
+    if high - low <= resolution:
+        return None
+    return (low + high) // 2  # strictly between: high - low >= 2 (nothing held yet: low = 0)
+
+
+def _slo_text(guard: Any) -> str | None:
+    """``TTFT p90 <= 4 s`` for an absolute limit on a latency, throughput or memory metric (a
+    quality guard such as ``kl_mean`` is not a service level, and relative limits are not either)."""
+    metric = getattr(guard, "metric", "")
+    if not any(unit in metric for unit in ("_ms", "tokens_per_s", "_mb")):
+        return None
+    parts = []
+    if getattr(guard, "max", None) is not None:
+        parts.append(f"{_metric_label(metric)} <= {_amount(metric, guard.max)}")
+    if getattr(guard, "min", None) is not None:
+        parts.append(f"{_metric_label(metric)} >= {_amount(metric, guard.min)}")
+    return " and ".join(parts) or None
+
+
+def _metric_label(metric: str) -> str:
+    """``ttft_ms_p90`` -> ``TTFT p90``, ``throughput_tokens_per_s`` -> ``throughput``."""
+    words = metric.split("_")
+    percentile = words[-1] if words[-1].startswith("p") and words[-1][1:].isdigit() else ""
+    head = words[0].upper() if words[0] in ("ttft", "itl", "tpot") else words[0]
+    return f"{head} {percentile}".strip()
+
+
+def _amount(metric: str, value: float) -> str:
+    """A guard's limit in the metric's unit: ms from 1000 up in seconds (``4 s``), tokens/s, MB."""
+    if "_ms" in metric:
+        return f"{value / 1000:g} s" if value >= 1000 else f"{value:g} ms"
+    if metric.endswith("tokens_per_s"):
+        return f"{value:g} tokens/s"
+    if metric.endswith("_mb"):
+        return f"{value:g} MB"
+    return f"{value:g}"
 
 
 @register

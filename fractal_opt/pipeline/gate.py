@@ -1,7 +1,8 @@
 """Which steps a run tries, and why one is skipped: the same rules for every pass.
 
 A pass tells the runner only through its protocol (:class:`fractal_opt.passes.Pass`):
-``expand`` (a ramp runs as several steps), ``unavailable`` (the machine lacks a device or a
+``next_step`` (a search runs as several steps, each proposed from the outcomes of the earlier
+ones: :class:`PassSteps`), ``unavailable`` (the machine lacks a device or a
 package), ``check`` (the pass's own rules), ``apply`` (a plan it does not change is a no-op,
 derived here, never written in the pass), and the runtime's ``refuse`` of the new plan.
 
@@ -15,29 +16,75 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from .. import runtimes
+from ..errors import FractalOptError
 from ..machine import Machine
-from ..passes import Pass
+from ..passes import Pass, StepResult
 from ..plan import Plan
 
-__all__ = ["expand_ramps", "skip_reason"]
+__all__ = ["MAX_STEPS_PER_PASS", "UNCHANGED", "PassSteps", "skip_reason"]
+
+# A search that has not ended after this many steps is a bug in its pass, not a long search: a
+# doubling-then-bisecting search over levels up to 2^20 needs about 40.
+MAX_STEPS_PER_PASS = 64
+# How skip_reason words "the plan already has what the pass sets" (a search reads it as held).
+UNCHANGED = "check: the plan already has this"
 
 
-def expand_ramps(passes: Sequence[Pass]) -> list[tuple[Pass, Pass | None]]:
-    """Each step with the ramp it belongs to: the pass it was expanded from, or None.
+class PassSteps:
+    """The steps one pass runs, proposed one at a time (:meth:`~fractal_opt.passes.Pass.next_step`)
+    from how the earlier ones ended, which the runner records here.
 
-    A pass whose :meth:`~fractal_opt.passes.Pass.expand` is just itself runs alone; any other
-    expansion (a concurrency ramp, one fixed level per step) is a ramp, which the runner stops
-    where the ramp's own ``stop`` rule says.
+    A plain pass runs once, as itself; a pass whose first step is not itself searches (the
+    concurrency search), and its steps are labelled "search step k" because their number is not
+    known in advance.
+
+    Example:
+        >>> from fractal_opt.layers.scheduling import Concurrency
+        >>> steps = PassSteps(Concurrency(mode="ramp", start=4, max_limit=8))
+        >>> for step in steps:
+        ...     print(steps.label(2, 3), step.describe())
+        ...     steps.record(step, "kept")
+        [2/3, search step 1] concurrency(mode=fixed, limit=4)
+        [2/3, search step 2] concurrency(mode=fixed, limit=8)
+        >>> steps.conclusion()["answer"]
+        "max concurrency that holds (no absolute latency SLO set: the guards in force, throughput not worse): 8 or more (the search's max_limit; no level up to it failed)"
     """
-    out: list[tuple[Pass, Pass | None]] = []
-    for p in passes:
-        steps = p.expand()
-        ramp = None if steps == [p] else p
-        out.extend((step, ramp) for step in steps)
-    return out
+
+    def __init__(self, source: Pass):
+        self.source = source
+        self.history: list[StepResult] = []
+        first = source.next_step(())
+        self.searches = first is not None and first != source
+        self._next = first
+
+    def __iter__(self) -> Iterator[Pass]:
+        while self._next is not None:
+            if len(self.history) >= MAX_STEPS_PER_PASS:
+                raise FractalOptError(f"pass {self.source.describe()} proposed more than {MAX_STEPS_PER_PASS} steps; its next_step() never ends the search.")
+            step = self._next
+            self._next = None
+            yield step
+            if not self.history or self.history[-1].step is not step:
+                raise FractalOptError(f"pass {self.source.name}: record() each step before asking for the next.")
+            self._next = self.source.next_step(tuple(self.history))
+
+    def record(self, step: Pass, status: str, outcome: str = "", reason: str = "") -> None:
+        """How ``step`` ended (the trace's status, the verdict's outcome and the step's reason)."""
+        if status == "skipped" and reason.startswith(UNCHANGED):
+            status = "unchanged"
+        self.history.append(StepResult(step=step, status=status, outcome=outcome))
+
+    def label(self, index: int, total: int) -> str:
+        """``[3/5]`` (pass 3 of 5), with ``search step k`` for the k-th step of a search."""
+        return f"[{index}/{total}" + (f", search step {len(self.history) + 1}]" if self.searches else "]")
+
+    def conclusion(self, guards: Sequence[Any] = ()) -> dict[str, Any] | None:
+        """The pass's answer once its steps are done (a search's result), or None."""
+        return self.source.conclusion(tuple(self.history), guards=guards) if self.searches else None
 
 
 def skip_reason(p: Pass, plan: Plan, machine: Machine, *, refuse: Callable[[Plan], str | None] | None = None) -> str | None:
@@ -54,7 +101,7 @@ def skip_reason(p: Pass, plan: Plan, machine: Machine, *, refuse: Callable[[Plan
         return f"check: {why}"
     candidate = p.apply(plan)
     if candidate == plan:
-        return f"check: the plan already has this ({p.describe()} changes nothing)"
+        return f"{UNCHANGED} ({p.describe()} changes nothing)"
     if (why := (refuse or runtimes.refuse)(candidate)) is not None:
         return f"runtime {candidate.hardware.runtime}: {why}"
     return None

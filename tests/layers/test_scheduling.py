@@ -1,14 +1,15 @@
-"""Scheduling passes: what they change in the plan, what check() refuses, and the ramp expansion."""
+"""Scheduling passes: what they change in the plan, what check() refuses, and the concurrency search."""
 
 from __future__ import annotations
 
 import pytest
 
 from fractal_opt.errors import RecipeError
-from fractal_opt.layers.application import MaxNewTokens
 from fractal_opt.layers.scheduling import Batching, Concurrency, Queue, Streaming
-from fractal_opt.pipeline.gate import expand_ramps, skip_reason
+from fractal_opt.passes import StepResult
+from fractal_opt.pipeline.gate import PassSteps, skip_reason
 from fractal_opt.plan import ApplicationPlan, ModelPlan, Plan, SchedulingPlan
+from fractal_opt.policy import Guard
 from fractal_opt.serving.server import in_flight_limit
 from fractal_opt.testing import check_pass
 
@@ -66,20 +67,88 @@ def test_concurrency_limits_in_flight_requests_per_mode(machine):
     assert "sequential" in Concurrency(limit=4).check(PLAN, machine)
 
 
-def test_a_ramp_expands_to_rising_levels_and_starts_small():
-    """A ramping concurrency pass becomes one fixed pass per level, smallest first, sharing a ramp id."""
+SLO = (Guard(metric="ttft_ms_p90", max=4000), Guard(metric="kl_mean", max=0.05))  # a latency SLO, and a quality guard that is not one
+
+
+def _search(ramp, holds, guards=SLO):
+    """Drive ``ramp``'s search as the runner does; ``holds(level, nth)`` says whether the nth
+    measurement of a level holds. Returns the measured levels in order and the conclusion."""
+    steps, seen = PassSteps(ramp), {}
+    for s in steps:
+        seen[s.limit] = seen.get(s.limit, 0) + 1
+        ok = holds(s.limit, seen[s.limit])
+        steps.record(s, "kept" if ok else "rolled_back", "kept" if ok else "guard")
+    return [r.step.limit for r in steps.history], steps.conclusion(guards)
+
+
+def test_the_search_doubles_until_a_level_fails_then_bisects_to_the_knee():
+    """From 1 the search doubles while levels hold, re-measures the first that trips, then bisects
+    between the last that held (8) and the first that failed (16) down to the knee (12)."""
+    order, found = _search(Concurrency(mode="ramp"), lambda level, nth: level <= 12)
+    assert order == [1, 2, 4, 8, 16, 16, 12, 14, 14, 13, 13]
+    assert found["value"] == 12
+    assert found["answer"] == "max concurrency that meets TTFT p90 <= 4 s: 12"
+    assert (found["levels_measured"], found["measurements"]) == (8, 11)
+    assert "16 failed (tripped twice)" in found["summary"]
+
+
+def test_one_noisy_trip_does_not_end_the_search():
+    """A level whose first measurement trips and whose second holds counts as held: two agreeing
+    trips are needed to fail a level."""
+    order, found = _search(Concurrency(mode="ramp", start=4, max_limit=32), lambda level, nth: level <= 12 and not (level == 8 and nth == 1))
+    assert order[:4] == [4, 8, 8, 16] and found["value"] == 12
+    assert "8 held (tripped, then held)" in found["summary"]
+
+
+def test_the_search_stops_at_its_range_and_coarser_resolution_measures_less():
+    """Nothing fails up to max_limit: the answer says it is a lower bound. A resolution of 4
+    stops bisecting when the gap is 4 or less."""
+    order, found = _search(Concurrency(mode="ramp", start=8, max_limit=48), lambda level, nth: True)
+    assert order == [8, 16, 32, 48]
+    assert found["answer"].endswith(": 48 or more (the search's max_limit; no level up to it failed)")
+    order, found = _search(Concurrency(mode="ramp", start=8, max_limit=64, resolution=4), lambda level, nth: level <= 21)
+    assert order == [8, 16, 32, 32, 24, 24, 20] and found["value"] == 20
+    _, none = _search(Concurrency(mode="ramp", start=1), lambda level, nth: False, guards=())
+    assert none["value"] is None
+    assert none["answer"] == "max concurrency that holds (no absolute latency SLO set: the guards in force, throughput not worse): none: 1 already fails"
+
+
+def test_a_failed_or_refused_level_fails_at_once_and_an_unchanged_one_holds(machine):
+    """A crash or a refusal (the KV cache does not fit) is not noise: the level fails without a
+    second measurement. A level the plan already has ("changes nothing") holds."""
+    ramp = Concurrency(mode="ramp", start=2, max_limit=16)
+    one = Concurrency(limit=2)
+    assert ramp.next_step(()) == one
+    assert ramp.next_step((StepResult(step=one, status="unchanged"),)) == Concurrency(limit=4)
+    history = (StepResult(step=one, status="kept"), StepResult(step=Concurrency(limit=4), status="skipped"))
+    assert ramp.next_step(history) == Concurrency(limit=3)
+    refused = (StepResult(step=one, status="skipped"), StepResult(step=Concurrency(limit=1), status="skipped"))
+    assert ramp.next_step(refused) is None
+    assert ramp.conclusion(refused)["answer"].endswith(": not found: no level could be measured (the skipped or failed steps say why)")
+    steps = PassSteps(ramp)
+    first = next(iter(steps))
+    served = first.apply(Batching(mode="continuous").apply(PLAN))
+    steps.record(first, "skipped", reason=skip_reason(first, served, machine, refuse=lambda plan: None))  # the plan already has 2
+    assert steps.history[-1].status == "unchanged"
+
+
+def test_the_search_params_and_older_recipes_levels():
+    """Reports show what each mode reads; older recipes' ``levels`` become the search's range;
+    a fixed pass runs once, as itself."""
     ramp = Concurrency(mode="ramp", levels=(8, 16, 32))
-    expanded = expand_ramps([Batching(mode="continuous"), ramp, MaxNewTokens(limit=8)])
-    assert [type(p).__name__ for p, _ in expanded] == ["Batching", "Concurrency", "Concurrency", "Concurrency", "MaxNewTokens"]
-    assert [p.limit for p, _ in expanded[1:4]] == [8, 16, 32]
-    assert len({r for _, r in expanded[1:4]}) == 1 and expanded[0][1] is None
+    assert ramp == Concurrency(mode="ramp", start=8, max_limit=32)
+    assert ramp.describe() == "concurrency(mode=ramp, start=8, max_limit=32, resolution=1)"
     assert ramp.apply(PLAN).scheduling.max_concurrency == 8
-    # Reports and written recipes show what each mode reads; the params rebuild the same pass.
-    assert expanded[2][0].describe() == "concurrency(mode=fixed, limit=16)"
-    assert ramp.describe() == "concurrency(mode=ramp, levels=[8, 16, 32])"
-    assert Concurrency.from_params(expanded[2][0].params()) == expanded[2][0]
+    fixed = Concurrency(limit=16)
+    assert fixed.describe() == "concurrency(mode=fixed, limit=16)" and Concurrency.from_params(fixed.params()) == fixed
+    assert fixed.next_step(()) is fixed and fixed.next_step((StepResult(step=fixed, status="kept"),)) is None
+    assert not PassSteps(fixed).searches and PassSteps(ramp).searches
     with pytest.raises(RecipeError, match="rising"):
         Concurrency(mode="ramp", levels=(16, 8))
+    with pytest.raises(RecipeError, match="max_limit"):
+        Concurrency(mode="ramp", start=16, max_limit=8)
+    with pytest.raises(RecipeError, match="not both"):
+        Concurrency(mode="ramp", levels=(4, 8), start=2)
 
 
 def test_streaming_and_queue_set_their_fields(machine):

@@ -99,12 +99,14 @@ def test_errors_name_the_problem(tmp_path):
     """Bad inputs fail with the value and what is allowed: unknown dtype (with the closest), bad numbers, configs without a shape."""
     with pytest.raises(FractalOptError, match="bfloat16"):
         budget(SMOLLM2, dtype="bfloat61")
-    with pytest.raises(FractalOptError, match="context must be an integer >= 1, got 0"):
+    with pytest.raises(FractalOptError, match="context got 0, expected an integer from 1 to 100,000,000 tokens"):
         budget(SMOLLM2, context=0)
     with pytest.raises(FractalOptError, match="weights_bits must be one of"):
         budget(SMOLLM2, weights_bits=7)
-    with pytest.raises(ModelSourceError, match="num_hidden_layers"):
+    with pytest.raises(ModelSourceError, match="encoder-decoder"):
         budget({"model_type": "t5"})
+    with pytest.raises(ModelSourceError, match="num_hidden_layers"):
+        budget({"model_type": "not-an-architecture", "hidden_size": 64})
     with pytest.raises(ModelSourceError, match="smollm2-135m-instruct"):
         budget("smollm2-135m")
 
@@ -128,3 +130,79 @@ def test_cli_budget_json(tmp_path, capsys):
     assert main(["budget", str(path), "--batch", "2"]) == 0
     assert "KV cache" in capsys.readouterr().out
     assert main(["budget", str(path), "--dtype", "fp9"]) == 2
+
+
+GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}  # no tie_word_embeddings
+
+
+def test_gpt2_counts_124m_with_its_own_defaults(tmp_path):
+    """A GPT-2 config that does not say tie_word_embeddings is tied (GPT2Config's default, read
+    through AutoConfig): 124,439,808 parameters, as GPT2LMHeadModel holds, not 163 M."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GPT2))
+    b = budget(path, context=1024)
+    # wte 50257x768 + wpe 1024x768 + 12 x (c_attn 768x2304+2304, c_proj 768x768+768, c_fc 768x3072+3072, c_proj 3072x768+768, 2 LayerNorms 2x1536) + ln_f 1536
+    by_hand = 50257 * 768 + 1024 * 768 + 12 * (768 * 2304 + 2304 + 768 * 768 + 768 + 768 * 3072 + 3072 + 3072 * 768 + 768 + 2 * 1536) + 1536
+    assert b.params == by_hand == 124_439_808 and b.shape.tied_embeddings and not b.notes
+    with torch.device("meta"):  # no memory, no weights: the parameter shapes transformers builds
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**GPT2))
+    assert b.params == sum(p.numel() for p in model.parameters())
+    assert b.weight_bytes == by_hand * 2
+    assert budget({**GPT2, "tie_word_embeddings": False}).params == by_hand + 50257 * 768  # an untied head is counted when the config says so
+
+
+def test_sliding_window_layers_hold_at_most_their_window():
+    """Gemma-3-style layer_types: sliding layers cache at most the window, full layers the whole context."""
+    gemma = {"model_type": "gemma3_text", "num_hidden_layers": 6, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1,
+             "head_dim": 64, "intermediate_size": 512, "vocab_size": 1000, "sliding_window": 512,
+             "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+    b = budget(gemma, context=8192, dtype="bfloat16")
+    per_layer_token = 2 * 1 * 64 * 2
+    assert (b.sliding_layers, b.sliding_window) == (5, 512)
+    assert b.kv_bytes == per_layer_token * (1 * 8192 + 5 * 512)
+    assert "5 of 6 layers hold at most their 512-token window" in b.to_text()
+    short = budget(gemma, context=256)  # shorter than the window: every layer holds the context
+    assert short.kv_bytes == per_layer_token * 6 * 256
+    # Mistral-style: a window and no layer_types means every layer; an explicit null means none.
+    mistral = {"model_type": "mistral", "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "intermediate_size": 256, "vocab_size": 100}
+    assert budget({**mistral, "sliding_window": 1024}, context=4096).kv_bytes == budget({**mistral, "sliding_window": None}, context=1024).kv_bytes
+    assert budget({**mistral, "sliding_window": None}, context=4096).sliding_layers == 0
+
+
+def test_architectures_the_arithmetic_does_not_model_are_named():
+    """Multi-head latent attention and hybrid stacks come with a warning that says what is off."""
+    mla = budget({"model_type": "deepseek_v3", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "vocab_size": 1000,
+                  "kv_lora_rank": 64, "qk_rope_head_dim": 16, "intermediate_size": 512, "moe_intermediate_size": 128, "n_routed_experts": 4,
+                  "first_k_dense_replace": 1})
+    assert any("multi-head latent attention" in n and "320 values per token" in n for n in mla.notes), mla.notes
+    assert "warning          multi-head latent attention" in mla.to_text()
+    hybrid = budget({"model_type": "qwen3_next", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "head_dim": 64, "intermediate_size": 512, "vocab_size": 1000,
+                     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]})
+    assert any(n.startswith("hybrid layers: 3 of 4 are linear_attention") for n in hybrid.notes), hybrid.notes
+    unknown = budget({"model_type": "my_own_lm", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100})
+    assert any("not a transformers architecture" in n for n in unknown.notes)
+
+
+@pytest.mark.parametrize(("name", "value"), [("context", 10**20), ("context", -1), ("batch", 0), ("bandwidth_gbs", float("inf")),
+                                             ("memory_gb", float("nan")), ("memory_gb", -4.0), ("context", 2.5)])
+def test_numbers_without_a_sane_bound_are_refused(name, value):
+    """The calculator refuses what no machine has: the message names the number, the value and the range."""
+    with pytest.raises(FractalOptError, match=rf"budget: {name} got .*, expected (an integer|a number) from"):
+        budget(SMOLLM2, **{name: value})
+
+
+@pytest.mark.parametrize(("args", "flag"), [(["--context", "1e20"], "--context"), (["--bandwidth-gbs", "inf"], "--bandwidth-gbs"),
+                                            (["--batch", "0"], "--batch"), (["--memory-gb", "-1"], "--memory-gb"),
+                                            (["--context", "-5"], "--context"), (["--kv-bits", "7"], "--kv-bits")])
+def test_cli_refuses_unbounded_numbers_with_exit_2(tmp_path, capsys, args, flag):
+    """`fractal-opt budget` exits 2 before reading the model, naming the flag, the value and what is allowed."""
+    from fractal_opt.cli import main
+
+    assert main(["budget", "no-such-model-is-read", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: got {args[1]!r}, expected " in err and "Traceback" not in err

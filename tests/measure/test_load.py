@@ -158,26 +158,12 @@ def test_pipeline_judges_batching_under_the_load_profile(tiny_dir, small_recipe,
     report = (tmp_path / "report.md").read_text()
     assert "Under load (closed" in report and "TTFT p50 / p90 / p99 ms" in report
     steps = result.trace.steps
-    assert [s.pass_name for s in steps] == ["batching", "concurrency", "concurrency"]
+    assert [s.pass_name for s in steps][:2] == ["batching", "concurrency"] and {s.pass_name for s in steps[1:]} == {"concurrency"}
     assert steps[0].status in ("kept", "rolled_back") and steps[0].metrics.get("throughput_tokens_per_s")
     if "no change beyond noise" in steps[1].reason:  # a level that trips nothing and costs nothing holds
         assert steps[1].status == "kept" and steps[1].reason.startswith("holds")
-    if steps[1].status == "kept":  # a ramp steps up from a level that held
-        assert steps[2].status in ("kept", "rolled_back"), steps[2].reason
-    else:  # and never from one that did not
-        assert steps[2].status == "skipped" and "ramp stopped" in steps[2].reason
-
-
-def test_a_ramp_steps_up_from_a_kept_level_and_says_why_it_stopped():
-    """A kept level lets the ramp step up; a guard, a worse objective, a failure or a skip stop it, saying why."""
-    from fractal_opt.layers.scheduling import Concurrency
-
-    ramp = Concurrency(mode="ramp", levels=(4, 8))  # the runner asks ramp.stop(status, outcome) after each level
-    assert ramp.stop("kept", "kept") is None
-    assert ramp.stop("rolled_back", "guard") == "the previous level was rolled back (a guard tripped)"
-    assert ramp.stop("rolled_back", "worse") == "the previous level was rolled back (throughput got worse)"
-    assert ramp.stop("failed", "") == "the previous level failed"
-    assert ramp.stop("skipped", "") == "the previous level was skipped"
+    # The concurrency search (levels [2, 4]: from 2 up to 4) ends with its answer in the trace.
+    assert result.trace.searches and result.trace.searches[0]["answer"].startswith("max concurrency that ")
 
 
 def test_goodput_counts_only_requests_that_meet_every_slo():
