@@ -3,7 +3,15 @@
 :func:`probe_limits` times a large read (sum) and copy and square matmuls per dtype on the device in
 use, and caches the answer in ``fractal_opt.models.cache_dir()/machine-<fingerprint>.json`` (the
 fingerprint hashes the CPU / GPU names, core and memory counts, thread count and torch version), so
-later runs read it back in milliseconds. The probe is kept short (about 2-4 s on a 2-core CPU).
+later runs read it back in milliseconds. The probe is kept short (about 2-5 s on a 2-core CPU).
+
+The compute ceiling is the model's own kernel: ``torch.nn.functional.linear`` of a prompt's worth
+of tokens at the model's shapes (hidden x hidden, as the attention projections; hidden x
+intermediate, as the MLP) in each dtype, so the share of it a prefill reaches is a share of what the
+same kernel can do. A square ``torch.mm`` of a size unrelated to the model (the first method) gave a
+bf16 ceiling that the model's prefill "reached" 1317% of (issue 16). Without a shape (no config)
+square shapes are used. The bandwidth ceiling is read per dtype (a sum of a large tensor of that
+dtype), since a plan reads its weights in its own dtype.
 
 Example:
     >>> from fractal_opt.machine_limits import probe_limits
@@ -24,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..machine import Machine
+    from .roofline import ModelShape
 
-__all__ = ["MachineLimits", "fingerprint", "probe_limits"]
+__all__ = ["MachineLimits", "fingerprint", "linear_shapes", "probe_limits"]
 
 # Bytes moved per bandwidth probe: 256 MiB is 8x a 32 MiB L3 cache, so the sum streams from DRAM
 # rather than cache (GPU: 1 GiB, beyond any L2).
@@ -35,7 +44,17 @@ _GPU_BYTES = 2**30
 # without native instructions is ~10x slower, so it gets a smaller square (512).
 _MATMUL_N = {"float32": 1024, "bfloat16": 512}
 _GPU_MATMUL_N = 4096
-_PROBE_VERSION = 2  # bump when the method changes, so stale cache files are not reused
+# Tokens per F.linear probe: a prompt's worth (the quickstart's long prompts are 400-600 tokens);
+# on a CPU it shrinks so one call stays under _CPU_MAX_FLOP (a 7B model's 4096 x 11008 MLP at 512
+# tokens is 46 GFLOP: ~10 s per call in bf16 without native instructions).
+_PROBE_TOKENS = 512
+_GPU_PROBE_TOKENS = 4096
+_CPU_MAX_FLOP = 2e9
+_MIN_PROBE_TOKENS = 16
+# Dtypes whose read bandwidth is probed (a plan reads its weights in one of these; quantized weights
+# fall back to the float32 reading: a sum over int8 is a slow reduction, not a bandwidth reading).
+_BANDWIDTH_DTYPES = ("float32", "bfloat16")
+_PROBE_VERSION = 3  # bump when the method changes, so stale cache files are not reused
 # A probe taken while other work keeps more than this share of the logical cores busy (1-minute
 # load average) under-measures the ceilings: it is cached but re-probed on the next run, and
 # the cache keeps, per ceiling, the best reading so far (a ceiling is a maximum).
@@ -47,9 +66,11 @@ class MachineLimits:
     """The device's measured ceilings (bytes/s, FLOP/s) and how they were measured."""
 
     device: str
-    bandwidth_bytes_per_s: float  # sustained read bandwidth (sum of a large tensor)
+    bandwidth_bytes_per_s: float  # sustained read bandwidth (sum of a large float32 tensor)
     copy_bandwidth_bytes_per_s: float  # read + write bytes per second of a large copy
-    peak_flops: dict[str, float] = field(default_factory=dict)  # dtype -> matmul FLOP/s
+    peak_flops: dict[str, float] = field(default_factory=dict)  # dtype -> matmul FLOP/s (best of the probed shapes)
+    bandwidth_by_dtype: dict[str, float] = field(default_factory=dict)  # dtype -> read bytes/s of a tensor of that dtype
+    flops_shapes: dict[str, list[list[int]]] = field(default_factory=dict)  # dtype -> [tokens, in, out] of each F.linear probe
     threads: int = 1
     probe_s: float = 0.0
     fingerprint: str = ""
@@ -59,18 +80,31 @@ class MachineLimits:
     def flops_for(self, dtype: str) -> float | None:
         return self.peak_flops.get(dtype) or self.peak_flops.get("float32")
 
+    def bandwidth_for(self, dtype: str) -> float:
+        """Read bandwidth of weights stored in ``dtype`` (the float32 reading when it was not probed)."""
+        return self.bandwidth_by_dtype.get(dtype) or self.bandwidth_bytes_per_s
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def fingerprint(machine: Machine, device: str, threads: int, torch_version: str) -> str:
-    """A short hash of what decides the ceilings (hardware, threads, torch)."""
+def fingerprint(machine: Machine, device: str, threads: int, torch_version: str, shapes: list[tuple[int, int]] | None = None) -> str:
+    """A short hash of what decides the ceilings (hardware, threads, torch, the probed matmul shapes)."""
     key = json.dumps([_PROBE_VERSION, machine.cpu, machine.logical_cores, machine.physical_cores, machine.memory_bytes,
-                      list(machine.cuda_devices), device, threads, torch_version])
+                      list(machine.cuda_devices), device, threads, torch_version, [list(x) for x in shapes or []]])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def probe_limits(device: str = "cpu", *, machine: Machine | None = None, cache: bool = True, threads: int | None = None) -> MachineLimits:
+def linear_shapes(shape: ModelShape | None) -> list[tuple[int, int]]:
+    """The (in, out) widths of the model's linear layers the compute probe times: hidden -> hidden
+    (attention projections) and hidden -> intermediate (MLP); [] without a shape (square probes)."""
+    if shape is None:
+        return []
+    return sorted({(shape.hidden, shape.hidden), (shape.hidden, shape.intermediate)})
+
+
+def probe_limits(device: str = "cpu", *, machine: Machine | None = None, cache: bool = True, threads: int | None = None,
+                 shape: ModelShape | None = None, refresh: bool = False) -> MachineLimits:
     """Measure (or read from the cache) the bandwidth and matmul ceilings of ``device``.
 
     Args:
@@ -78,6 +112,9 @@ def probe_limits(device: str = "cpu", *, machine: Machine | None = None, cache: 
         machine: the probed Machine (probed here when None).
         cache: read and write ``cache_dir()/machine-<fingerprint>.json``.
         threads: intra-op threads to probe with (None = the machine's physical cores, the most a plan uses).
+        shape: the model's shape: the compute probe runs F.linear at its widths (None: square matmuls).
+        refresh: measure again even if a trusted cache file exists (a step reached more than 100%
+            of a ceiling, so the ceiling was under-measured); the best reading per ceiling is kept.
     """
     import torch
 
@@ -86,7 +123,8 @@ def probe_limits(device: str = "cpu", *, machine: Machine | None = None, cache: 
 
     machine = machine or Machine.probe()
     threads = threads or machine.physical_cores
-    fp = fingerprint(machine, device, threads, torch.__version__)
+    shapes = linear_shapes(shape)
+    fp = fingerprint(machine, device, threads, torch.__version__, shapes)
     path = Path(cache_dir()) / f"machine-{fp}.json"
     previous: MachineLimits | None = None
     if cache and path.is_file():
@@ -96,13 +134,13 @@ def probe_limits(device: str = "cpu", *, machine: Machine | None = None, cache: 
             previous = MachineLimits(**data)
         except (OSError, ValueError, TypeError):
             previous = None  # a corrupt or old cache file is re-measured and overwritten
-        if previous is not None and not _was_busy(previous, machine):
+        if previous is not None and not refresh and not _was_busy(previous, machine):
             return previous
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         t0 = time.perf_counter()
-        limits = _measure(device)
+        limits = _measure(device, shapes)
         limits = MachineLimits(**{**limits.to_dict(), "threads": threads, "probe_s": round(time.perf_counter() - t0, 3), "fingerprint": fp,
                                   "load_average": _load_average()})
         if previous is not None:  # an earlier probe on a busy machine: keep the best of both
@@ -132,33 +170,64 @@ def _best_time(fn, sync, repeats: int) -> float:
     return best
 
 
-def _bandwidth_times(device: str, n_bytes: int, sync) -> tuple[float, float]:
-    """Fastest sum (read) and copy (read + write) of ``n_bytes`` of fp32; the tensors die on return."""
+def _read_time(device: str, n_bytes: int, dtype_name: str, sync) -> float:
+    """Fastest sum of ``n_bytes`` of ``dtype_name``; the tensor dies on return."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    x = torch.ones(n_bytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype, device=device)
+    return _best_time(lambda: x.sum(), sync, 5)
+
+
+def _copy_time(device: str, n_bytes: int, sync) -> float:
+    """Fastest copy (read + write) of ``n_bytes`` of fp32."""
     import torch
 
     x = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
-    return _best_time(lambda: x.sum(), sync, 5), _best_time(lambda: y.copy_(x), sync, 3)
+    return _best_time(lambda: y.copy_(x), sync, 3)
 
 
-def _measure(device: str) -> MachineLimits:
+def _linear_flops(device: str, dtype_name: str, tokens: int, d_in: int, d_out: int, sync) -> float:
+    """FLOP/s of ``F.linear`` of ``tokens`` rows through a ``d_in -> d_out`` weight, as a model's layer runs."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = getattr(torch, dtype_name)
+    x = torch.randn(tokens, d_in, device=device).to(dtype)
+    w = torch.randn(d_out, d_in, device=device).to(dtype)
+    t = _best_time(lambda: F.linear(x, w), sync, 2)
+    return 2.0 * tokens * d_in * d_out / t  # one multiply-add = 2 FLOPs
+
+
+def _probe_tokens(gpu: bool, d_in: int, d_out: int) -> int:
+    """Rows of the F.linear probe: a prompt's worth, fewer on a CPU for wide layers (see _CPU_MAX_FLOP)."""
+    if gpu:
+        return _GPU_PROBE_TOKENS
+    return max(_MIN_PROBE_TOKENS, min(_PROBE_TOKENS, int(_CPU_MAX_FLOP / (2 * d_in * d_out))))
+
+
+def _measure(device: str, shapes: list[tuple[int, int]] | None = None) -> MachineLimits:
     import torch
 
     gpu = device.startswith("cuda")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     n_bytes = _GPU_BYTES if gpu else _CPU_BYTES
-    read_s, copy_s = _bandwidth_times(device, n_bytes, sync)
+    dtypes = [*_MATMUL_N, "float16"] if gpu else list(_MATMUL_N)
+    read = {d: n_bytes / _read_time(device, n_bytes, d, sync) for d in (*_BANDWIDTH_DTYPES, *(["float16"] if gpu else []))}
+    copy_s = _copy_time(device, n_bytes, sync)
     flops: dict[str, float] = {}
-    for dtype_name, n in _MATMUL_N.items():
-        n = _GPU_MATMUL_N if gpu else n
-        dtype = getattr(torch, dtype_name)
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        t = _best_time(lambda a=a, b=b: torch.mm(a, b), sync, 2)
-        flops[dtype_name] = 2.0 * n**3 / t  # one multiply-add = 2 FLOPs
-    if gpu:
-        flops["float16"] = flops["bfloat16"]  # same tensor-core rate on every GPU that has both
-    return MachineLimits(device=device, bandwidth_bytes_per_s=n_bytes / read_s, copy_bandwidth_bytes_per_s=2 * n_bytes / copy_s, peak_flops=flops)
+    probed: dict[str, list[list[int]]] = {}
+    for dtype_name in dtypes:
+        if shapes:
+            runs = [(_probe_tokens(gpu, d_in, d_out), d_in, d_out) for d_in, d_out in shapes]
+        else:  # no model shape: a square matmul (the old probe)
+            n = _GPU_MATMUL_N if gpu else _MATMUL_N.get(dtype_name, 512)
+            runs = [(n, n, n)]
+        flops[dtype_name] = max(_linear_flops(device, dtype_name, m, k, n, sync) for m, k, n in runs)
+        probed[dtype_name] = [list(r) for r in runs]
+    return MachineLimits(device=device, bandwidth_bytes_per_s=read["float32"], copy_bandwidth_bytes_per_s=2 * n_bytes / copy_s, peak_flops=flops,
+                         bandwidth_by_dtype=read, flops_shapes=probed)
 
 
 def _load_average() -> float | None:
@@ -176,5 +245,7 @@ def _was_busy(limits: MachineLimits, machine: Machine) -> bool:
 def _best_of(old: MachineLimits, new: MachineLimits) -> MachineLimits:
     """Per ceiling, the higher reading; the load average of the newer probe."""
     flops = {k: max(old.peak_flops.get(k, 0.0), v) for k, v in new.peak_flops.items()}
+    read = {k: max(old.bandwidth_by_dtype.get(k, 0.0), v) for k, v in new.bandwidth_by_dtype.items()}
     return MachineLimits(**{**new.to_dict(), "bandwidth_bytes_per_s": max(old.bandwidth_bytes_per_s, new.bandwidth_bytes_per_s),
-                            "copy_bandwidth_bytes_per_s": max(old.copy_bandwidth_bytes_per_s, new.copy_bandwidth_bytes_per_s), "peak_flops": flops})
+                            "copy_bandwidth_bytes_per_s": max(old.copy_bandwidth_bytes_per_s, new.copy_bandwidth_bytes_per_s), "peak_flops": flops,
+                            "bandwidth_by_dtype": read})

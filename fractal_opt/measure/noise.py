@@ -18,6 +18,10 @@ counts exactly when it is larger than ``min_effect`` and its 95% interval exclud
 widened to ``2 × |A/A change|`` of the calibration when A and B could not be interleaved (back to
 back, the machine's drift between them is not cancelled by pairing).
 
+What a machine can resolve at all is read from the A/A calibration (:func:`resolution`): when the
+95% interval of the same plan measured against itself reaches X% from its estimate, a step's
+interval on that machine is about as wide, its band about X%, so no verdict can see a change below it.
+
 Example:
     >>> ci = paired_interval({"r1": [0.1, 0.1, 0.1], "r2": [0.1, 0.1, 0.1]})
     >>> round(ci.change, 4), round(ci.low, 4), round(ci.high, 4)
@@ -29,10 +33,10 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["BOOTSTRAP", "CONFIDENCE", "Interval", "band", "paired_interval", "settled"]
+__all__ = ["BOOTSTRAP", "CONFIDENCE", "Interval", "band", "paired_interval", "resolution", "settled"]
 
 BOOTSTRAP = 1000  # resamples: percentile error of a 95% interval ~0.7 points of coverage at 1000
 CONFIDENCE = 0.95
@@ -116,3 +120,14 @@ def settled(interval: Interval | None, *, min_effect: float) -> bool:
     if interval.half_width <= min_effect:
         return True
     return interval.low > min_effect or interval.high < -min_effect
+
+
+def resolution(intervals: Iterable[Interval | None]) -> float:
+    """The smallest change an A/A calibration lets a verdict see: the largest half-width of the
+    given A/A intervals (0.0 when there are none).
+
+    Example:
+        >>> round(resolution([Interval(0.02, -0.10, 1.02, 18), Interval(0.0, -0.02, 0.03, 6)]), 2)
+        1.0
+    """
+    return max((iv.half_width for iv in intervals if iv is not None), default=0.0)

@@ -35,6 +35,7 @@ __all__ = [
     "prefill_flops",
     "quantized_kv_bytes_per_token",
     "step_roofline",
+    "unreliable_shares",
     "weight_bytes",
 ]
 
@@ -52,6 +53,10 @@ KV_QUANT_GROUP = 64
 # 20-40%, see ../shared/research/cpu-passes.md), so half is the line between "the bytes decide"
 # and "something else (Python, launches, dequantization) decides".
 BOUND_FRACTION = 0.5
+# A measured rate cannot exceed the machine's ceiling: a share above this means the probe
+# under-measured the ceiling (taken under load, or a kernel other than the model's), not that
+# the step beat it. Such a share is never reported or used for a label (issue 16).
+MAX_SHARE = 1.0
 # Capacity-bound when the measured peak uses >= 90% of the device: the next larger batch or
 # context will not fit, whatever the speed.
 CAPACITY_FRACTION = 0.9
@@ -238,6 +243,11 @@ def step_roofline(
 ) -> dict[str, Any]:
     """The roofline numbers of one measured step (what trace.json stores under ``roofline``).
 
+    Shares of a ceiling are within [0, 1]: a share above :data:`MAX_SHARE` is left out (its key
+    absent, so no report prints it and no label uses it) and recorded under ``unreliable``
+    (``{"bandwidth_fraction": 13.17}``: the probe under-measured that ceiling; the pipeline
+    re-probes once, see :func:`unreliable_shares`).
+
     ``decode_tokens_per_s`` is one request's rate: in a batch every request advances one token per
     step, so it is also the step rate; ``prefill_ms`` is one prefill call (all rows of a batch). The KV read is taken at the mean decode context
     (prompt + half the new tokens).
@@ -256,16 +266,14 @@ def step_roofline(
         if bandwidth_bytes_per_s:
             ceiling = decode_ceiling_tokens_per_s(weight_read_bytes=weight_read_bytes, kv_bytes_per_token=kv_bytes_per_token, context=context, batch=batch, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
             out["decode_ceiling_tokens_per_s"] = round(ceiling, 2)
-            bw_fraction = achieved / bandwidth_bytes_per_s
-            out["bandwidth_fraction"] = round(bw_fraction, 4)
+            bw_fraction = _share(out, "bandwidth_fraction", achieved / bandwidth_bytes_per_s)
     if prompt_tokens and prefill_ms:
         flops = prefill_flops(params, int(prompt_tokens) * batch)  # a batch pre-fills every row
         out["prefill_flops"] = flops
         achieved_flops = flops / (prefill_ms / 1000)
         out["achieved_gflops"] = round(achieved_flops / 1e9, 2)
         if peak_flops:
-            fl_fraction = achieved_flops / peak_flops
-            out["compute_fraction"] = round(fl_fraction, 4)
+            fl_fraction = _share(out, "compute_fraction", achieved_flops / peak_flops)
     if peak_memory_bytes and capacity_bytes:
         cap_fraction = peak_memory_bytes / capacity_bytes
         out["capacity_fraction"] = round(cap_fraction, 4)
@@ -273,3 +281,18 @@ def step_roofline(
     out["prefill_bound"] = bound_label(bandwidth_fraction=None, compute_fraction=fl_fraction, capacity_fraction=cap_fraction)
     out["bound"] = bound_label(bandwidth_fraction=bw_fraction, compute_fraction=fl_fraction, capacity_fraction=cap_fraction)
     return out
+
+
+def _share(out: dict[str, Any], key: str, value: float) -> float | None:
+    """Store a share of a ceiling under ``key`` when it is within [0, MAX_SHARE]; else record it
+    under ``out["unreliable"]`` and return None (the label then ignores it)."""
+    if value > MAX_SHARE:
+        out.setdefault("unreliable", {})[key] = round(value, 4)
+        return None
+    out[key] = round(max(0.0, value), 4)
+    return out[key]
+
+
+def unreliable_shares(roofline: dict[str, Any]) -> dict[str, float]:
+    """The shares of a step's roofline that exceeded their ceiling (``{}`` when all are plausible)."""
+    return dict(roofline.get("unreliable") or {})

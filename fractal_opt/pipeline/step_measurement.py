@@ -5,10 +5,27 @@ interleaved with it (:func:`~fractal_opt.measure.measure_pair`) when both fit in
 memory; otherwise the previous model is released, the candidate is measured alone and compared
 with the previous measurement back to back, and the trace says so (``comparison.mode``) and widens
 the band by the calibration's drift. The pipeline calls it; it holds no policy of its own.
+
+The A/A calibration also says whether this machine can resolve the policy's ``min_effect`` at all:
+it adds rounds while the widest A/A interval of the watched metrics is wider than ``min_effect``
+on a side (:func:`~fractal_opt.measure.noise.resolution`; up to :func:`calibration_rounds`), and records the machine's load and the other busy processes
+seen when it started (:mod:`fractal_opt.measure.busy`); when the band is still too wide the record
+says so and the report and the terminal print it ("this machine is busy: verdicts can only see
+changes above 70%").
+
+Memory per plan: interleaved rounds keep both models resident, so their peak RSS (or CUDA peak)
+is the two plans' together. When the candidate's weights differ from the previous plan's, the
+previous model is released after the interleaved rounds and the candidate serves one more round
+alone (:meth:`StepMeasurer.solo_peak`): that round's peak is the candidate's ``peak_memory_mb``,
+compared with the previous plan's own solo peak. It costs one suite pass per step that changes the
+weights, plus a reload of the previous model when the step is rolled back; steps that share the
+weights (scheduling, decoding, application passes) share the loaded model, so their interleaved peak
+already is their own and no round is added.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,15 +35,17 @@ from .. import runtimes
 from ..engine.protocol import Engine
 from ..machine import Machine, resolve_device
 from ..measure.budget import load_config, shape_from_config
+from ..measure.busy import BusySnapshot, snapshot, wait_quiet
+from ..measure.machine_limits import probe_limits
 from ..measure.metrics import METRICS, Measurement
-from ..measure.noise import band
+from ..measure.noise import band, resolution
 from ..measure.preflight import batch_size, preflight
-from ..measure.roofline import ModelShape, dtype_bits, kv_bytes_per_token, step_roofline
-from ..measure.runner import measure, measure_pair, paired_changes
+from ..measure.roofline import ModelShape, dtype_bits, kv_bytes_per_token, step_roofline, unreliable_shares
+from ..measure.runner import Runner, measure, measure_pair, paired_changes
 from ..plan import Plan
 from ..workload import Request, Workload
 
-__all__ = ["Comparison", "StepMeasurer"]
+__all__ = ["CALIBRATION_MAX_ROUNDS", "Comparison", "StepMeasurer", "calibration_rounds", "read_shape"]
 
 # Both models must fit in this share of the device to be measured side by side: the rest is for
 # activations, the KV cache, the reference logits and the OS (RSS also counts file-backed pages).
@@ -34,6 +53,27 @@ _SIDE_BY_SIDE_SHARE = 0.8
 # Characters per token when estimating a prompt's length before any tokenizer is loaded: English
 # BPE averages ~4; 2 over-estimates on purpose, so the pre-flight errs towards "needs more memory".
 _CHARS_PER_TOKEN = 2
+# Rounds the A/A calibration may grow to when the workload sets no ``max_repeats``. One quickstart
+# calibration round is two passes over the 6-request suite, ~21 s on the project's quiet 2-core CPU
+# (baseline e2e 1.7 s per request); three extra rounds add ~1 minute to a ~7.5-minute run, which
+# keeps the quickstart under 10 minutes. Each doubling of the rounds narrows the interval by ~1/sqrt(2).
+CALIBRATION_MAX_ROUNDS = 6
+
+
+def calibration_rounds(workload: Workload) -> int:
+    """The most rounds the A/A calibration runs: the workload's ``max_repeats`` when it sets one,
+    else :data:`CALIBRATION_MAX_ROUNDS` (never fewer than ``repeats``)."""
+    return max(workload.repeats, workload.max_repeats or CALIBRATION_MAX_ROUNDS)
+
+
+def read_shape(source: str) -> ModelShape | None:
+    """The model's shape from its config, or None when no config can be read (offline hub id,
+    exotic architecture): then there is no pre-flight and the matmul probe uses square shapes."""
+    try:
+        _, config = load_config(source)
+        return shape_from_config(config, where=source)
+    except Exception:
+        return None
 
 
 @dataclass
@@ -52,7 +92,13 @@ class StepMeasurer:
     """Measurement for the pipeline: calibration, per-step comparison and roofline numbers."""
 
     def __init__(self, *, machine: Machine, workload: Workload, requests: Sequence[Request], min_effect: float,
-                 limits: Any = None, progress: Callable[[str], None] = lambda m: None, build: Callable[..., Engine] | None = None):
+                 limits: Any = None, progress: Callable[[str], None] = lambda m: None, build: Callable[..., Engine] | None = None,
+                 note: Callable[[str], None] | None = None, wait_quiet_s: float = 0.0, reprobe: bool = False,
+                 busy: Callable[[], BusySnapshot] | None = None):
+        """``note`` prints a line that stays on the terminal (default: ``progress``); ``wait_quiet_s``:
+        before calibrating, wait up to this long for other processes to leave the CPU (0 = no wait);
+        ``reprobe``: the ceilings were probed for this run, so a step's share above 100% re-measures them (once per run);
+        ``busy`` takes the load snapshot (tests; default :func:`fractal_opt.measure.busy.snapshot`)."""
         self.machine = machine
         self.build = build or runtimes.build  # build(plan, *, machine, progress, max_new_tokens) -> Engine (tests: a fake)
         self.workload = workload
@@ -60,7 +106,14 @@ class StepMeasurer:
         self.min_effect = min_effect
         self.limits = limits
         self.say = progress
+        self.note = note or progress
+        self.wait_quiet_s = wait_quiet_s
+        self.reprobe = reprobe
+        self.reprobed = False
+        self.busy = busy or snapshot
         self.previous: Engine | None = None
+        self.previous_solo_peak_mb: float | None = None  # the kept plan's own peak, measured without another model resident
+        self.candidate_own_peak_mb: float | None = None  # the last compared candidate's own peak (for after_verdict)
         self.calibration: dict[str, float] = {}
         self.prompt_tokens: int | None = None  # longest prompt, known after the baseline
         self._shapes: dict[str, ModelShape | None] = {}
@@ -68,11 +121,7 @@ class StepMeasurer:
     # ------------------------------------------------------------------ pre-flight
     def shape(self, source: str) -> ModelShape | None:
         if source not in self._shapes:
-            try:
-                _, config = load_config(source)
-                self._shapes[source] = shape_from_config(config, where=source)
-            except Exception:  # no readable config (offline hub id, exotic architecture): no pre-flight
-                self._shapes[source] = None
+            self._shapes[source] = read_shape(source)
         return self._shapes[source]
 
     def preflight(self, plan: Plan) -> tuple[str | None, dict[str, Any]]:
@@ -98,17 +147,55 @@ class StepMeasurer:
         return held + cand["weight_bytes"] + cand["kv_bytes"] <= _SIDE_BY_SIDE_SHARE * cand["capacity_bytes"]
 
     # ------------------------------------------------------------------ calibration
-    def calibrate(self, engine: Engine, label: str) -> tuple[Measurement, dict[str, Any]]:
+    def calibrate(self, engine: Engine, label: str, *, watch: Sequence[str] = ("decode_tokens_per_s",)) -> tuple[Measurement, dict[str, Any]]:
         """The baseline measured against itself, interleaved (A/A): the change every metric shows
-        when nothing changed. Returns the second measurement and the calibration record."""
-        first, second = measure_pair(engine, engine, self.workload, requests=self.requests, min_effect=self.min_effect,
-                                     progress=lambda m: self.say(f"{label}: measuring, {m}"))
-        intervals = paired_changes(first, second)
+        when nothing changed. Returns the second measurement and the calibration record.
+
+        Rounds alternate A B / B A as in every step. After ``workload.repeats`` rounds, rounds are
+        added while the widest A/A interval of the ``watch`` metrics (the policy's objectives) is
+        wider than ``min_effect`` on a side, up to :func:`calibration_rounds`. The record holds each
+        metric's A/A change and interval, the rounds, the ``resolution`` (the smallest change the
+        watched metrics can show) and ``busy`` (the load and other processes seen at the start);
+        ``resolves`` is False when the band stayed wider than ``min_effect``.
+        """
+        if self.wait_quiet_s > 0:
+            wait_quiet(max_wait_s=self.wait_quiet_s, progress=lambda m: self.say(f"{label}: {m}"))
+        start = self.busy()
+        if start.busy:
+            self.say(f"{label}: other work is running ({start.describe()})")
+        wl, cap = self.workload, calibration_rounds(self.workload)
+        first, second = Runner(engine, wl, self.requests), Runner(engine, wl, self.requests)
+        first.warm_up()
+        second.warm_up()
+        rounds, widest = 0, None
+        while True:
+            extended = f" (extended: A/A band ±{widest:.0%} is wider than min_effect {self.min_effect:.0%}; at most {cap})" if widest is not None else ""
+            self.say(f"{label}: measuring, round {rounds + 1}/{cap if widest is not None else wl.repeats}{extended}")
+            for runner in ((first, second) if rounds % 2 == 0 else (second, first)):
+                runner.round()
+            rounds += 1
+            if rounds < wl.repeats:
+                continue
+            watched = paired_changes(first.result(), second.result(), list(watch))
+            widest = resolution(watched.values())
+            if widest <= self.min_effect or rounds >= cap:
+                break
+        a, b = first.result(), second.result()
+        intervals = paired_changes(a, b)
         self.calibration = {m: round(iv.change, 4) for m, iv in intervals.items()}
         self.previous = engine
-        self.prompt_tokens = max((s.prompt_tokens for s in second.samples), default=None)
-        record = {**self.calibration, "intervals": {m: iv.to_list() for m, iv in intervals.items()}, "rounds": len(second.repeats)}
-        return second, record
+        self.previous_solo_peak_mb = b.median("peak_memory_mb")  # one engine twice: one model resident
+        self.prompt_tokens = max((s.prompt_tokens for s in b.samples), default=None)
+        per_metric = {m: round(resolution([intervals[m]]), 4) for m in watch if m in intervals}
+        widest = max(per_metric.values(), default=0.0)
+        record = {**self.calibration, "intervals": {m: iv.to_list() for m, iv in intervals.items()}, "rounds": len(b.repeats),
+                  "max_rounds": cap, "min_effect": self.min_effect, "watched": list(watch), "resolution": per_metric,
+                  "resolves": widest <= self.min_effect, "busy": start.to_dict()}
+        if not record["resolves"]:
+            why = "this machine is busy" if start.busy else "the measurement is noisy"
+            self.note(f"{why}: verdicts can only see changes above {widest:.0%} (A/A calibration after {rounds} rounds, "
+                      f"min_effect {self.min_effect:.0%}); at start: {start.describe()}")
+        return b, record
 
     # ------------------------------------------------------------------ one step
     def before_build(self, candidate: Plan, previous: Plan) -> str:
@@ -136,15 +223,51 @@ class StepMeasurer:
                                          min_effect=self.min_effect, warm_previous=False, progress=progress)
             info = {"mode": "interleaved", "rounds": len(after.repeats)}
             drift = {}
+            if candidate.plan.weights_key() != self.previous.plan.weights_key():
+                info["memory"] = self.solo_peak(candidate, before, after, progress)
         else:
             before, after = current, measure(candidate, self.workload, requests=self.requests, progress=progress)
             info = {"mode": "back_to_back", "rounds": len(after.repeats),
                     "note": "previous and candidate did not fit in memory together: measured back to back; the band includes 2 x the A/A drift"}
             drift = self.calibration
+            info["memory"] = "measured alone (back to back)"
+        # The candidate's own peak: its solo round's, or its rounds' when no other model was resident.
+        self.candidate_own_peak_mb = after.median("peak_memory_mb")
         intervals = paired_changes(before, after)
         changes = {m: (round(intervals[m].change, 6) if m in intervals else None) for m in METRICS}
         bands = {m: round(band(intervals.get(m), min_effect=self.min_effect, drift=drift.get(m)), 4) for m in METRICS}
         return Comparison(before=before, after=after, changes=changes, bands=bands, intervals={m: iv.to_list() for m, iv in intervals.items()}, info=info)
+
+    def solo_peak(self, candidate: Engine, before: Measurement, after: Measurement, progress: Callable[[str], None]) -> str:
+        """Release the previous model and serve one round of the candidate alone; its peak becomes
+        the candidate's ``peak_memory_mb`` (and headroom) in every round of ``after``, and the
+        previous plan's own solo peak that of ``before``, so the paired memory change compares the
+        two plans' own footprints. The interleaved peaks are kept in ``extra``. Returns the note
+        the trace stores under ``comparison.memory``."""
+        assert self.previous is not None
+        self.previous.close()
+        self.previous = None
+        runtimes.evict_except({candidate.plan.weights_key()})
+        gc.collect()
+        if candidate.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+        progress("memory: one round alone (previous model released)")
+        solo = Runner(candidate, self.workload, self.requests)
+        solo.round()  # no warm-up: the candidate has served every interleaved round already
+        peak = solo.repeats[0].get("peak_memory_mb")
+        if peak is None:
+            return "solo round gave no peak reading; peak_memory_mb is the interleaved rounds' (both models resident)"
+        for m, own in ((after, peak), (before, self.previous_solo_peak_mb)):
+            if own is None:
+                continue
+            m.extra["interleaved_peak_memory_mb"] = m.median("peak_memory_mb")
+            for row in m.repeats:
+                row["peak_memory_mb"] = own
+                if row.get("memory_headroom_mb") is not None and solo.capacity_mb:
+                    row["memory_headroom_mb"] = solo.capacity_mb - own
+        return "peak_memory_mb from one round of each plan alone (interleaved rounds hold both models)"
 
     def after_verdict(self, kept: bool, candidate: Engine, plan: Plan, mode: str) -> None:
         """Keep the kept plan's engine as the next step's previous. After a rollback the previous
@@ -154,11 +277,12 @@ class StepMeasurer:
             if self.previous is not None and self.previous is not candidate:
                 self.previous.close()
             self.previous = candidate
+            self.previous_solo_peak_mb = self.candidate_own_peak_mb
             runtimes.evict_except({candidate.plan.weights_key()})
             return
         candidate.close()
         runtimes.evict_except({plan.weights_key()})
-        if mode == "interleaved":
+        if mode == "interleaved":  # (reloaded from disk when the solo round released it)
             self.previous = self.build(plan, machine=self.machine, progress=self.say, max_new_tokens=self.workload.max_new_tokens)
         else:
             self.previous = None
@@ -166,7 +290,25 @@ class StepMeasurer:
 
     # ------------------------------------------------------------------ roofline
     def roofline(self, engine: Engine, m: Measurement) -> dict[str, Any]:
-        """The step's roofline numbers (see :func:`fractal_opt.measure.roofline.step_roofline`)."""
+        """The step's roofline numbers (see :func:`fractal_opt.measure.roofline.step_roofline`).
+
+        A share above 100% of a ceiling means the probe under-measured it: the ceilings are probed
+        again (once per run, when ``reprobe``; each keeps its best reading) and the step recomputed;
+        a share still above 100% stays out of the numbers, and ``note`` says "probe unreliable"."""
+        out = self._roofline(engine, m)
+        if unreliable_shares(out) and self.reprobe and not self.reprobed and self.limits is not None:
+            self.reprobed = True
+            lim = self.limits
+            self.say(f"a step measured {max(unreliable_shares(out).values()):.0%} of a probed ceiling: probing the ceilings again")
+            self.limits = probe_limits(lim.device, machine=self.machine, threads=lim.threads, shape=self.shape(engine.plan.source), refresh=True)
+            out = self._roofline(engine, m)
+            out["reprobed"] = {"bandwidth_bytes_per_s": self.limits.bandwidth_for(engine.plan.hardware.dtype),
+                               "peak_flops": self.limits.flops_for(engine.plan.hardware.dtype)}
+        if bad := unreliable_shares(out):
+            out["note"] = "probe unreliable: " + ", ".join(f"{k.replace('_fraction', '')} {v:.0%} of the probed ceiling" for k, v in bad.items()) + " (not reported)"
+        return out
+
+    def _roofline(self, engine: Engine, m: Measurement) -> dict[str, Any]:
         plan = engine.plan
         shape = self.shape(plan.source)
         if shape is None or not m.samples:
@@ -185,7 +327,7 @@ class StepMeasurer:
             prompt_tokens=statistics.median(s.prompt_tokens for s in m.samples), new_tokens=statistics.median(s.new_tokens for s in m.samples),
             batch=batch, decode_tokens_per_s=summary.get("decode_tokens_per_s"), prefill_ms=summary.get("prefill_ms"),
             peak_memory_bytes=peak * 2**20 if peak else None, capacity_bytes=self.machine.device_memory_bytes(device),
-            bandwidth_bytes_per_s=lim.bandwidth_bytes_per_s if lim else None, peak_flops=lim.flops_for(plan.hardware.dtype) if lim else None,
+            bandwidth_bytes_per_s=lim.bandwidth_for(plan.hardware.dtype) if lim else None, peak_flops=lim.flops_for(plan.hardware.dtype) if lim else None,
         )
         out["batch"] = batch
         return out

@@ -234,3 +234,71 @@ def test_a_probe_taken_on_a_busy_machine_is_redone_and_keeps_the_best(tmp_path, 
     second = machine_limits.probe_limits("cpu", machine=machine, threads=1)
     assert not second.cached  # re-measured, because the cached one was taken on a busy machine
     assert second.bandwidth_bytes_per_s == 1e15  # the best reading of the two is kept
+
+
+def test_a_plan_with_smaller_weights_shows_its_own_peak_memory(monkeypatch):
+    """Interleaved rounds hold both models; a solo round of the candidate (previous model released) gives its own peak,
+    so a plan whose weights are half the size shows a lower peak_memory_mb than the previous plan's own peak."""
+    from fractal_opt.measure.busy import BusySnapshot
+    from fractal_opt.pipeline.step_measurement import StepMeasurer
+    from fractal_opt.plan import Plan
+    from fractal_opt.testing import FakeEngine, cpu_machine
+    from fractal_opt.workload import Workload
+
+    class ResidentEngine(FakeEngine):
+        """A fake whose 'weights' are resident memory (weight_bytes of touched pages) until it is closed."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.block = mmap.mmap(-1, self.weight_bytes)
+            for i in range(0, len(self.block), 4096):
+                self.block[i] = 1
+
+        def close(self):
+            super().close()
+            self.block.close()
+
+    build = ResidentEngine.factory(weight_bytes=128 * 2**20)  # float32: 128 MiB; bfloat16: 64 MiB
+    wl = Workload(suite="default", limit=2, max_new_tokens=4, repeats=2, warmup=0)
+    quiet = BusySnapshot(load_average=None, cores=2, others_cores=0.0)
+    sm = StepMeasurer(machine=cpu_machine(), workload=wl, requests=wl.requests(), min_effect=0.05, build=build, busy=lambda: quiet)
+    base_plan = Plan(source="fake")
+    base = build(base_plan)
+    current, _ = sm.calibrate(base, "baseline")
+    candidate_plan = base_plan.replace_section("hardware", dtype="bfloat16")
+    assert candidate_plan.weights_key() != base_plan.weights_key()
+    mode = sm.before_build(candidate_plan, base_plan)
+    candidate = build(candidate_plan)
+    cmp = sm.compare(candidate, current, mode=mode, objective="decode_tokens_per_s", label="dtype")
+    assert mode == "interleaved" and cmp.info["memory"].startswith("peak_memory_mb from one round of each plan alone")
+    assert base.model is None  # the previous model was released for the solo round
+    solo, both = cmp.after.median("peak_memory_mb"), cmp.after.extra["interleaved_peak_memory_mb"]
+    assert both - solo > 100  # the interleaved rounds held the 128 MiB previous model as well
+    assert cmp.before.median("peak_memory_mb") - solo > 48  # 128 MiB -> 64 MiB of weights
+    assert cmp.changes["peak_memory_mb"] < 0 and all(r["peak_memory_mb"] == solo for r in cmp.after.repeats)
+    # Rolled back: the previous plan is loaded again for the next interleaved step, its own peak unchanged.
+    sm.after_verdict(False, candidate, base_plan, mode)
+    assert sm.previous is not None and sm.previous.plan == base_plan and sm.previous_solo_peak_mb == cmp.before.median("peak_memory_mb")
+
+
+def test_a_step_that_shares_the_weights_adds_no_solo_round():
+    """Same weights (a scheduling or decoding pass): one model is resident either way, so no round is added."""
+    from fractal_opt.measure.busy import BusySnapshot
+    from fractal_opt.pipeline.step_measurement import StepMeasurer
+    from fractal_opt.plan import Plan
+    from fractal_opt.testing import FakeEngine, cpu_machine
+    from fractal_opt.workload import Workload
+
+    build = FakeEngine.factory()
+    wl = Workload(suite="default", limit=2, max_new_tokens=4, repeats=2, warmup=0)
+    quiet = BusySnapshot(load_average=None, cores=2, others_cores=0.0)
+    sm = StepMeasurer(machine=cpu_machine(), workload=wl, requests=wl.requests(), min_effect=0.05, build=build, busy=lambda: quiet)
+    base = build(Plan(source="fake"))
+    current, _ = sm.calibrate(base, "baseline")
+    candidate_plan = Plan(source="fake").replace_section("application", max_new_tokens=2)
+    assert candidate_plan.weights_key() == base.plan.weights_key()
+    candidate = build(candidate_plan)
+    served = base.served + candidate.served
+    cmp = sm.compare(candidate, current, mode=sm.before_build(candidate_plan, base.plan), objective="e2e_ms", label="cap")
+    assert "memory" not in cmp.info and base.model is not None
+    assert base.served + candidate.served - served == 2 * 2 * len(cmp.after.repeats)  # interleaved rounds only
