@@ -20,7 +20,7 @@ from ..errors import FractalOptError, RecipeError, closest
 from ..machine import Machine
 from ..plan import Plan
 
-__all__ = ["RUNTIMES", "Engine", "availability", "build", "clear_cache", "evict_except", "from_recipe", "refuse", "takes_whole_device"]
+__all__ = ["RUNTIMES", "Engine", "availability", "build", "clear_cache", "evict_except", "from_recipe", "recipe_source", "refuse", "takes_whole_device"]
 
 RUNTIMES = ("transformers", "llama_cpp", "vllm")
 
@@ -77,11 +77,32 @@ def build(plan: Plan, *, machine: Machine | None = None, progress: Callable[[str
     return _engine_class(plan.hardware.runtime).build(plan, machine=machine, progress=progress, max_new_tokens=max_new_tokens)
 
 
+def recipe_source(source: Any) -> Any:
+    """``source`` as :func:`~fractal_opt.recipe.load_recipe` takes it: a run folder (what
+    ``fractal-opt run --out DIR`` writes) becomes the tuned ``recipe.yaml`` inside it; anything
+    else is returned as is.
+
+    Raises:
+        RecipeError: a folder without recipe.yaml (naming what it holds instead).
+    """
+    from pathlib import Path
+
+    if isinstance(source, (str, Path)) and "\n" not in str(source) and Path(source).is_dir():
+        path = Path(source) / "recipe.yaml"
+        if not path.is_file():
+            held = sorted(p.name for p in Path(source).iterdir())[:8]
+            raise RecipeError(f"{str(source)!r} is a folder without recipe.yaml (it holds {held}): give a recipe file, or the --out "
+                              "folder of `fractal-opt run` (trace.json, report.md, recipe.yaml).")
+        return path
+    return source
+
+
 def from_recipe(recipe: Any, *, progress: Callable[[str], None] = print) -> protocol.Engine:
-    """Build the deployment a recipe describes (a path, YAML text, a dict or a Recipe)."""
+    """Build the deployment a recipe describes: a path, a run folder (its tuned recipe.yaml), YAML
+    text, a dict or a Recipe."""
     from ..recipe import load_recipe
 
-    rec = load_recipe(recipe)
+    rec = load_recipe(recipe_source(recipe))
     return build(rec.plan(), progress=progress, max_new_tokens=rec.workload.max_new_tokens)
 
 

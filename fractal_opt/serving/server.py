@@ -89,15 +89,24 @@ class Server:
         self._live_lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._guarded_run, name=f"fractal-opt-{sched.batching}", daemon=True)
-        self._started = False
-        self._start_lock = threading.Lock()
+        self._started = False  # set, under _admission, once the worker thread has started
+        # One lock around "closed?", starting the worker and registering + queueing a ticket, which
+        # close() takes to mark the server closed and collect the live tickets: a ticket is either
+        # live before close() looks (and close cancels it) or sees the server closed (rejected).
+        self._admission = threading.Lock()
 
     # ------------------------------------------------------------------ public
-    def submit(self, request: Request | str | Sequence[dict[str, str]], *, max_new_tokens: int | None = None, timeout_s: float | None = None) -> Ticket:
+    def submit(self, request: Request | str | Sequence[dict[str, str]], *, max_new_tokens: int | None = None, timeout_s: float | None = None,
+               stop: Sequence[str] = ()) -> Ticket:
         """Queue a request (a user message, a list of ``{"role", "content"}`` chat messages or a
         Request) and return its ticket at once.
 
         ``timeout_s`` (default: the plan's ``timeout_s``) counts from now, queueing included.
+        ``stop``: this request's own stop sequences, on top of the plan's: the answer ends before
+        the first one that appears (the ticket cuts it and frees the request's slot).
+
+        Safe to call from any thread, also while another thread closes the server: the ticket is
+        then rejected or cancelled, never left queued.
 
         Raises:
             RequestRejected: the queue holds ``max_queue`` requests already, or the server is closed;
@@ -107,33 +116,43 @@ class Server:
         request = as_request(request, where="submit()")
         timeout_s = timeout_s if timeout_s is not None else self.plan.scheduling.timeout_s
         ticket = self._ticket(request, max_new_tokens=max_new_tokens, timeout_s=timeout_s)
-        with self._start_lock:  # clients may submit their first requests at the same moment
-            if not self._started:
-                self._start()
+        if stop:
+            ticket.request_stops = tuple(s for s in stop if s)
+            ticket.stops = (*ticket.stops, *ticket.request_stops)
         if self._closed.is_set():
             self._reject(ticket, f"request {request.id!r} rejected: the server is closed")
         if self._answer_from_cache(ticket):  # the plan's response cache answers: no queue, no model
             return ticket
-        with self._live_lock:
-            self._live[ticket.key] = ticket
-        try:
-            self._queue.put_nowait(ticket)
-        except queue.Full:
-            with self._live_lock:
-                self._live.pop(ticket.key, None)
-            msg = (f"request {request.id!r} rejected: the queue is full ({self.max_queue} requests waiting, "
-                   f"{self.in_flight} in flight). Retry later, or raise the queue pass's max_queue.")
-            self._reject(ticket, msg)
+        with self._admission:
+            if self._closed.is_set():  # close() ran while the cache was consulted
+                self._reject(ticket, f"request {request.id!r} rejected: the server is closed")
+            if not self._started:
+                self._thread.start()
+                self._started = True
+            with self._live_lock:  # live before queued: the worker may end it at once
+                self._live[ticket.key] = ticket
+            try:
+                self._queue.put_nowait(ticket)
+            except queue.Full:
+                self._forget(ticket)
+                msg = (f"request {request.id!r} rejected: the queue is full ({self.max_queue} requests waiting, "
+                       f"{self.in_flight} in flight). Retry later, or raise the queue pass's max_queue.")
+                self._reject(ticket, msg)
         return ticket
 
     def close(self, *, timeout: float = 30.0) -> None:
-        """Cancel every queued and running request and stop the worker (waits up to ``timeout`` s)."""
-        self._closed.set()
+        """Cancel every queued and running request and stop the worker (waits up to ``timeout`` s).
+
+        Safe at any moment and more than once: before the first submit, during one, while requests run.
+        """
+        with self._admission:
+            self._closed.set()
+            started = self._started
         with self._live_lock:
             live = list(self._live.values())
         for t in live:
             t.cancel()
-        if self._started:
+        if started and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise EngineError(f"the {self.plan.scheduling.batching} server did not stop within {timeout} s")
@@ -148,6 +167,16 @@ class Server:
         """Requests queued or running now."""
         with self._live_lock:
             return len(self._live)
+
+    def queued(self) -> int:
+        """Requests waiting for a slot now (the queue depth a load balancer watches)."""
+        with self._live_lock:
+            return sum(1 for t in self._live.values() if t.status == "queued")
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (or the worker died): submit rejects every request."""
+        return self._closed.is_set()
 
     # ------------------------------------------------------------------ for subclasses
     def _run(self) -> None:
@@ -173,19 +202,16 @@ class Server:
         """Called once when a ticket is cancelled (by the caller or by close)."""
         self._forget(ticket)
 
-    def _start(self) -> None:
-        self._started = True
-        self._thread.start()
-
     def _guarded_run(self) -> None:
         try:
             self._run()
         except BaseException as e:  # noqa: BLE001 (the worker died: no ticket may wait forever)
+            with self._admission:  # closed first, so no ticket is queued after the live ones are failed
+                self._closed.set()
             with self._live_lock:
                 live = list(self._live.values())
             for t in live:
                 t._finish("error", e)
-            self._closed.set()
 
     def _forget(self, ticket: Ticket) -> None:
         with self._live_lock:

@@ -37,7 +37,9 @@ class Ticket:
     by one (beam search: they arrive at the end), ``ended_on_eos`` when the last token is an
     end-of-sequence (so an answer that ends exactly at its budget is not ``hit_cap``), and
     ``stops`` to the plan's stop sequences (held back from :meth:`text_deltas` while they may
-    still be completed).
+    still be completed). ``request_stops`` are the caller's own stop sequences
+    (``Server.submit(stop=...)``): the runtime knows only the plan's, so the ticket cuts the text
+    at these itself and ends the request (``ended_on_stop``) as soon as one appears.
     """
 
     _ids = itertools.count()
@@ -62,11 +64,14 @@ class Ticket:
         self.streamed = True  # False: no per-token clock (token_times all read at the end)
         self.ended_on_eos = False
         self.stops: tuple[str, ...] = ()
+        self.request_stops: tuple[str, ...] = ()
+        self.ended_on_stop = False
         self.error: BaseException | None = None
         self._visible = 0  # tokens the caller may read (all of them with streaming on)
         self._cond = threading.Condition()
         self._decode = None  # token ids -> answer text, set by the server
         self._on_cancel = None  # server hook that frees the request's resources
+        self._listeners: list[Any] = []  # called (no arguments, any thread) after each change
 
     # ------------------------------------------------------------------ caller side
     @property
@@ -137,7 +142,7 @@ class Ticket:
                     break
                 seen = self._visible
                 ids = list(self.token_ids[:seen])
-            text = self._settled(self._decode(ids) if self._decode else "")
+            text = self._settled(self._cut(self._decode(ids) if self._decode else ""))
             if len(text) > len(sent) and text.startswith(sent):
                 yield text[len(sent) :]
                 sent = text
@@ -152,9 +157,29 @@ class Ticket:
         while (piece := await asyncio.to_thread(next, pieces, end)) is not end:
             yield piece  # type: ignore[misc]
 
+    def on_change(self, callback: Any) -> None:
+        """Call ``callback()`` after every change (new tokens, the end), from the scheduler's thread.
+
+        For event loops: ``ticket.on_change(lambda: loop.call_soon_threadsafe(event.set))``, then
+        :meth:`visible_text` after each wake-up, so no thread waits per request. A listener added
+        after the ticket ended is not called: read :attr:`finished` after adding it.
+        """
+        with self._cond:
+            self._listeners.append(callback)
+
+    def visible_text(self) -> tuple[str, bool]:
+        """``(text, ended)`` without waiting: the text the caller may see now (as
+        :meth:`text_deltas` would have yielded it so far), and whether the request ended; once it
+        ended the text is the whole answer (``result().text``)."""
+        with self._cond:
+            ended = self.finished
+            ids = list(self.token_ids[: self._visible])
+        text = self._cut(self._decode(ids) if self._decode else "")
+        return (text, True) if ended else (self._settled(text), False)
+
     def text(self) -> str:
-        """The answer so far, end-of-sequence tokens left out."""
-        return self._decode(self.token_ids) if self._decode else ""
+        """The answer so far, end-of-sequence tokens left out, cut before the first request stop."""
+        return self._cut(self._decode(list(self.token_ids)) if self._decode else "")
 
     def generation(self) -> Generation:
         """The request as a Generation (the engine's result type), whatever its state."""
@@ -181,6 +206,11 @@ class Ticket:
         held = max((k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
         return text[: len(text) - held]
 
+    def _cut(self, text: str) -> str:
+        """``text`` up to the first of the caller's own stop sequences (the plan's the runtime cut)."""
+        ends = [i for stop in self.request_stops if (i := text.find(stop)) >= 0]
+        return text[: min(ends)] if ends else text
+
     def _wait_visible(self, i: int) -> bool:
         with self._cond:
             self._cond.wait_for(lambda: self._visible > i or self.finished)
@@ -192,7 +222,8 @@ class Ticket:
             if self.finished:
                 return False
             self.status, self.t_start, self.prompt_tokens = "running", time.perf_counter() if at is None else at, prompt_tokens
-            return True
+        self._notify()
+        return True
 
     def _from_cache(self, value: dict[str, Any], kind: str) -> None:
         """End the request at once with a cached answer: every token available now."""
@@ -217,6 +248,14 @@ class Ticket:
                 self.delivered_times.extend([now] * len(tokens[:room]))
                 self._visible = len(self.token_ids)
             self._cond.notify_all()
+            ids = list(self.token_ids) if self.request_stops and self._decode else None
+        self._notify()
+        if ids is not None:
+            text = self._decode(ids)
+            if any(stop in text for stop in self.request_stops):
+                self.ended_on_stop = True  # the request's own stop: done, and its slot freed
+                if self._finish("done") and self._on_cancel is not None:
+                    self._on_cancel(self)
 
     def _finish(self, status: str, error: BaseException | None = None) -> bool:
         """Move to a terminal state once; later calls are ignored (returns False)."""
@@ -224,12 +263,17 @@ class Ticket:
             if self.finished:
                 return False
             self.status, self.error, self.t_end = status, error, time.perf_counter()
-            self.hit_cap = status == "done" and len(self.token_ids) >= self.max_new_tokens and not self.ended_on_eos
+            self.hit_cap = status == "done" and len(self.token_ids) >= self.max_new_tokens and not (self.ended_on_eos or self.ended_on_stop)
             missing = len(self.token_ids) - len(self.delivered_times)
             self.delivered_times.extend([self.t_end] * missing)  # streaming off: all arrive at the end
             self._visible = len(self.token_ids)
             self._cond.notify_all()
-            return True
+        self._notify()
+        return True
+
+    def _notify(self) -> None:
+        for callback in list(self._listeners):
+            callback()
 
     def _expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline and not self.finished

@@ -1,0 +1,58 @@
+"""``fractal-opt export RUN_DIR --to TARGET``: the kept plan as another server's launch settings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add(sub) -> None:
+    from ..export import TARGETS
+
+    p = sub.add_parser("export", help="print the tuned plan as launch settings for transformers serve, vllm, llama-server or generation_config.json")
+    p.add_argument("run_dir", help="a run's output folder (trace.json, recipe.yaml) or a tuned recipe.yaml")
+    p.add_argument("--to", required=True, choices=TARGETS, dest="target", help="the server to export to")
+    p.add_argument("--host", default="127.0.0.1", help="listen address in the launch command (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port in the launch command (default 8000)")
+    p.add_argument("--write", metavar="DIR", default=None, help="also write the exported files (generation_config.json) into DIR")
+    p.set_defaults(func=export_command)
+
+
+def export_command(args: argparse.Namespace) -> int:
+    from .. import models
+    from ..errors import FractalOptError
+    from ..export import export
+    from ..recipe import load_recipe
+    from ..runtimes import recipe_source
+
+    source = recipe_source(args.run_dir)
+    recipe = load_recipe(source, check_model=False)
+    plan = recipe.plan()
+    try:
+        resolved = models.resolve(plan.source)
+        model_path = str(resolved.path) if resolved.path is not None else plan.source
+    except FractalOptError:
+        model_path = plan.source
+    out = export(plan, args.target, passes=recipe.passes, model_path=model_path, measured=_measured(Path(source).parent), host=args.host, port=args.port)
+    print(out.to_text())
+    if args.write:
+        folder = Path(args.write)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in out.files.items():
+            (folder / name).write_text(text, encoding="utf-8")
+            print(f"Wrote {folder / name}")
+    return 0
+
+
+def _measured(run_dir: Path) -> str | None:
+    """The machine the run measured on, from its trace.json (None without one)."""
+    try:
+        machine = json.loads((run_dir / "trace.json").read_text(encoding="utf-8")).get("machine") or {}
+    except (OSError, ValueError):
+        return None
+    parts = [machine.get("cpu"), f"{machine['physical_cores']} cores" if machine.get("physical_cores") else None]
+    gpus = machine.get("cuda_devices") or []
+    if gpus:
+        parts.append(", ".join(map(str, gpus)))
+    return ", ".join(p for p in parts if p) or None
