@@ -41,9 +41,27 @@ NUMERICS = {"affects": "numerics"}
 RUNTIME = {"affects": "runtime"}
 
 
+def _non_default(section: Any) -> dict[str, Any]:
+    """The fields of a section dataclass that differ from their defaults."""
+    out = {}
+    for f in dataclasses.fields(section):
+        default = f.default if f.default is not dataclasses.MISSING else (f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+        value = getattr(section, f.name)
+        if value != default:
+            out[f.name] = value
+    return out
+
+
+def _section_repr(self: Any) -> str:
+    """``HardwarePlan(dtype='bfloat16')``: only what differs from the defaults."""
+    return f"{type(self).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in _non_default(self).items()) + ")"
+
+
 @dataclass(frozen=True, kw_only=True)
 class HardwarePlan:
     """Layer 1: where and how the math runs."""
+
+    __repr__ = _section_repr
 
     runtime: str = field(default="transformers", metadata=WEIGHTS)  # the inference engine that serves the plan (fractal_opt.runtimes)
     device: str = field(default="cpu", metadata=WEIGHTS)  # cpu | cuda | cuda:N | mps; "auto" resolves when the engine builds
@@ -67,6 +85,8 @@ class HardwarePlan:
 class ModelPlan:
     """Layer 2: what the model stores and moves."""
 
+    __repr__ = _section_repr
+
     weight_bits: int | None = field(default=None, metadata=WEIGHTS)  # None = weights stay in the hardware dtype
     quant_backend: str | None = field(default=None, metadata=WEIGHTS)  # torchao | bitsandbytes | quanto (resolved from "auto" by the pass)
     quant_method: str | None = field(default=None, metadata=WEIGHTS)  # weight_only | dynamic (torchao) | int8 | nf4 | fp4 (bitsandbytes)
@@ -82,6 +102,8 @@ class ModelPlan:
 @dataclass(frozen=True, kw_only=True)
 class SchedulingPlan:
     """Layer 3: how requests share the machine."""
+
+    __repr__ = _section_repr
 
     batching: str = field(default="sequential", metadata=RUNTIME)  # sequential | static | continuous
     batch_size: int = field(default=1, metadata=RUNTIME)  # requests per padded batch (static batching)
@@ -102,6 +124,8 @@ class SchedulingPlan:
 @dataclass(frozen=True, kw_only=True)
 class ApplicationPlan:
     """Layer 4: how much work a request asks for."""
+
+    __repr__ = _section_repr
 
     max_new_tokens: int | None = field(default=None, metadata=RUNTIME)  # cap on generated tokens; None = the workload's budget
     stop: tuple[str, ...] = field(default=(), metadata=RUNTIME)  # stop sequences (generation ends once one appears in the output)
@@ -148,6 +172,17 @@ class Plan:
     scheduling: SchedulingPlan = field(default_factory=SchedulingPlan)
     application: ApplicationPlan = field(default_factory=ApplicationPlan)
     applied: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        """A few lines: the source, then per section only the fields that differ from the defaults."""
+        lines = [f"Plan(source={self.source!r}"]
+        for name in SECTIONS:
+            changed = _non_default(getattr(self, name))
+            if changed:
+                lines.append(f"  {name}: " + ", ".join(f"{k}={v!r}" for k, v in changed.items()))
+        if self.applied:
+            lines.append(f"  applied: {', '.join(self.applied)}")
+        return lines[0] + ")" if len(lines) == 1 else "\n".join(lines) + ")"
 
     def replace_section(self, section: str, /, **changes: Any) -> Plan:
         """Return a copy with ``changes`` made to one section (``"hardware"``, ``"model"``, ...)."""

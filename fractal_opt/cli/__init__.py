@@ -1,13 +1,15 @@
 """The ``fractal-opt`` command: one module per subcommand, each with ``add(subparsers)``.
 
     fractal-opt run RECIPE [--out DIR] [--quiet]   optimize; write trace.json, report.md, recipe.yaml
-    fractal-opt check RECIPE                       validate a recipe without loading any model
-    fractal-opt passes                             list every pass by layer, and whether it can run here
+    fractal-opt check RECIPE... [--json]           validate recipes without loading any weights (every problem)
+    fractal-opt passes [--json]                    list every pass by layer, and whether it can run here
+    fractal-opt schema                             the JSON Schema of recipes (editors, pre-commit)
     fractal-opt generate RECIPE PROMPT             answer one prompt with a (tuned) recipe's deployment
     fractal-opt budget MODEL [--context N] ...     memory and decode-ceiling budget from a model's config
 
-Exit codes: 0 success, 1 the run failed, 2 invalid input (the message says what and how to fix it),
-130 interrupted (the steps finished so far are kept).
+Exit codes (EXIT_CODES; docs/cli.md): 0 success, 1 the run failed, 2 invalid input (the message
+says what and how to fix it), 130 interrupted (the steps finished so far are kept). ``main``
+returns the code instead of exiting, argparse's own errors included, so tests call it in-process.
 """
 
 from __future__ import annotations
@@ -16,38 +18,39 @@ import argparse
 import sys
 
 from ..errors import FractalOptError, RecipeError
-from . import budget, check, generate, passes, run
+from ..quiet import quiet_third_party
+from . import budget, check, generate, passes, run, schema
+from . import bisect, compare, doctor, suggest  # issue 15: advice commands
+from . import export, serve  # issue 12: serve and export the tuned plan
 
-__all__ = ["build_parser", "main"]
+__all__ = ["EXIT_CODES", "build_parser", "main"]
+
+EXIT_CODES = {0: "success", 1: "the run failed", 2: "invalid input: a recipe, file, model folder or argument (the message says which and what is allowed)",
+              130: "interrupted (Ctrl-C); the steps finished so far are kept"}
 
 # The subcommands, in the order ``--help`` lists them.
-COMMANDS = (run, check, passes, generate, budget)
+COMMANDS = (run, check, passes, schema, generate, budget, doctor, suggest, bisect, compare, serve, export)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fractal-opt", description="Measure, change one thing, measure again: optimize LLM inference layer by layer.")
+    from .. import __version__
+
+    epilog = "exit codes:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES.items())
+    parser = argparse.ArgumentParser(prog="fractal-opt", description="Measure, change one thing, measure again: optimize LLM inference layer by layer.",
+                                     epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"fractal-opt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add(sub)
     return parser
 
 
-def _quiet_third_party() -> None:
-    """The terminal belongs to our report: silence import-time chatter of optional packages
-    (torchao's missing CUDA kernels on CPU machines, torch pytree deprecations, load bars)."""
-    import logging
-    import os
-
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _quiet_third_party()
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help / --version (0) or a bad argument (2, argparse printed why)
+        return e.code if isinstance(e.code, int) else 2
+    quiet_third_party()  # the terminal belongs to our report (fractal_opt/quiet.py)
     try:
         return args.func(args)
     except RecipeError as e:
@@ -56,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     except FractalOptError as e:
         print(f"fractal-opt: {e}", file=sys.stderr)
         return 2 if type(e).__name__ == "ModelSourceError" else 1
+    except BrokenPipeError:  # `fractal-opt ... | head`: the reader left; not an error of ours
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("\nfractal-opt: interrupted; the steps finished so far are in the output folder.", file=sys.stderr)
         return 130

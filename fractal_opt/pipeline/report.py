@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["calibration_lines", "measurement_lines"]
+__all__ = ["busy_warning", "calibration_lines", "measurement_lines"]
 
 # The calibration metrics the report spells out (trace.json keeps all of them).
 _CALIBRATED = ("decode_tokens_per_s", "ttft_ms", "prefill_ms", "e2e_ms", "throughput_tokens_per_s", "peak_memory_mb")
@@ -17,10 +17,36 @@ def _num(v: Any, fmt: str) -> str:
     return fmt.format(v) if isinstance(v, int | float) and not isinstance(v, bool) else "–"
 
 
+def busy_warning(calibration: dict[str, Any]) -> str | None:
+    """The plain sentence a user must read first when the A/A calibration could not resolve the
+    policy's ``min_effect`` ("This machine is busy: verdicts can only see changes above 70%"), with
+    the load and the other busy processes seen when it started; when no other work was seen, it
+    says the measurement itself is noisy instead. None when the calibration resolved ``min_effect``
+    (or predates the check)."""
+    if not calibration or calibration.get("resolves", True):
+        return None
+    per_metric = calibration.get("resolution") or {}
+    widest = max(per_metric.values(), default=0.0)
+    which = ", ".join(f"{m} ±{v:.0%}" for m, v in per_metric.items())
+    busy = calibration.get("busy") or {}
+    why = "This machine is busy" if busy.get("busy") else "The measurement is noisy"
+    text = (f"{why}: verdicts can only see changes above {widest:.0%} "
+            f"(A/A calibration, the baseline against itself: 95% intervals {which} after {calibration.get('rounds')} rounds; "
+            f"min_effect is {calibration.get('min_effect', 0):.0%}).")
+    if busy.get("text"):
+        text += f" At the start: {busy['text']}."
+    advice = " Re-run on a quiet machine, or with --wait-quiet." if busy.get("busy") else " More rounds (workload.max_repeats) or longer requests narrow the intervals."
+    return text + advice
+
+
 def calibration_lines(calibration: dict[str, Any]) -> list[str]:
-    """One paragraph: the A/A change of the main metrics with their 95% intervals."""
+    """The busy-machine warning (first, in bold, when there is one), then one paragraph: the A/A
+    change of the main metrics with their 95% intervals, and the smallest change it can resolve."""
     if not calibration:
         return []
+    out = []
+    if warning := busy_warning(calibration):
+        out += [f"**{warning}**", ""]
     intervals = calibration.get("intervals") or {}
     parts = []
     for m in _CALIBRATED:
@@ -31,7 +57,15 @@ def calibration_lines(calibration: dict[str, Any]) -> list[str]:
         parts.append(f"{m} {v:+.1%}" + (f" [{iv[0]:+.1%}, {iv[1]:+.1%}]" if iv else ""))
     rounds = calibration.get("rounds")
     head = f"Noise calibration (baseline against itself, interleaved, {rounds} rounds; A/A change [95% interval]): " if rounds else "Noise calibration (baseline measured twice, A/A change): "
-    return [head + ", ".join(parts) + ".", ""]
+    tail = ""
+    if calibration.get("resolves"):
+        per_metric = calibration.get("resolution") or {}
+        tail = f" It resolves changes of {calibration.get('min_effect', 0):.0%} (widest A/A interval ±{max(per_metric.values(), default=0.0):.1%} of the watched metrics)"
+        busy = calibration.get("busy") or {}
+        if busy.get("busy"):
+            tail += f", though other work was running at the start ({busy.get('text')})"
+        tail += "."
+    return [*out, head + ", ".join(parts) + "." + tail, ""]
 
 
 def measurement_lines(steps: list[Any]) -> list[str]:
