@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import math
+import re
+
+import pytest
+
+from fractal_opt.errors import RecipeError
 from fractal_opt.passes import Layer
 from fractal_opt.policy import Policy
 from fractal_opt.recipe import load_recipe
@@ -160,3 +167,161 @@ def test_kl_guard_on_a_top_k_bound_says_so():
     after = {"decode_tokens_per_s": 120.0, "kl_mean": 0.002, "kl_method": "top-k lower bound (k=20, first 256 positions)"}
     v = Policy().judge(Layer.HARDWARE, NOTE_ARGS[0], after, NOTE_ARGS[1], NOTE_ARGS[2])
     assert v.kept and "guard kl_mean judged a lower bound (top-k lower bound (k=20, first 256 positions)): it can only be too lenient" in v.reason
+
+
+# ---------------------------------------------------------------------------- coherent reasons (issue 16)
+
+PAIRED = re.compile(r"paired estimate ([+-]\d+\.\d)% \[95%: ([+-]\d+\.\d)%, ([+-]\d+\.\d)%\], medians (\S+) -> (\S+?)(?=[,;]|$)")
+CENSUS = re.compile(r"([+-]\d+\.\d)% \((\d+\.?\d*) -> (\d+\.?\d*)\)")
+LABELLED = re.compile(r"noise band ±\d+\.\d%|max_regression \d+%")
+
+# Medians that do not agree with the paired estimates, as on a noisy machine (issue 16: "-29.3% (13.1 -> 13.7)").
+MEDIANS_BEFORE = {"decode_tokens_per_s": 13.1, "ttft_ms": 455.0, "e2e_ms": 2300.0, "throughput_tokens_per_s": 14.2, "peak_memory_mb": 900.0,
+                  "ttft_ms_p90": 900.0, "itl_ms_p90": 64.0, "weight_mb": 513.0, "kl_mean": 0.0}
+MEDIANS_AFTER = {"decode_tokens_per_s": 13.7, "ttft_ms": 420.0, "e2e_ms": 2500.0, "throughput_tokens_per_s": 29.1, "peak_memory_mb": 1300.0,
+                 "ttft_ms_p90": 2700.0, "itl_ms_p90": 456.0, "weight_mb": 621.0, "kl_mean": 0.0}
+SCENARIOS = {  # name: (layer, paired changes); weight_mb's change is the census ratio, as the runner computes it
+    "worse, with a gain on the side": (Layer.HARDWARE, {"decode_tokens_per_s": -0.293, "ttft_ms": -0.20}),
+    "no change": (Layer.HARDWARE, {"decode_tokens_per_s": 0.02}),
+    "kept at a cost": (Layer.MODEL, {"decode_tokens_per_s": 0.40, "ttft_ms": 0.08, "throughput_tokens_per_s": -0.07}),
+    "regression guard": (Layer.HARDWARE, {"decode_tokens_per_s": 0.30, "ttft_ms": 0.55}),
+    "census guard": (Layer.HARDWARE, {"decode_tokens_per_s": 0.06, "weight_mb": 621 / 513 - 1}),
+    "scheduling latency guard": (Layer.SCHEDULING, {"throughput_tokens_per_s": 0.36, "ttft_ms_p90": 14.65, "itl_ms_p90": 0.4}),
+    "scheduling kept": (Layer.SCHEDULING, {"throughput_tokens_per_s": 1.05, "ttft_ms_p90": -0.8, "itl_ms_p90": 1.2}),
+}
+
+
+def _interval(change: float) -> list[float]:
+    return [round(change - 0.04, 4), round(change + 0.05, 4)]
+
+
+def _close(printed: float, exact: float, *numbers: str) -> bool:
+    """The printed percentage equals the exact one, up to the rounding of the printed figures."""
+    slack = 0.05 + 100 * sum(0.05 / float(n) for n in numbers)  # one digit of each number, in percentage points
+    return abs(printed - exact) <= slack
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_every_percentage_in_a_reason_is_the_ratio_of_its_numbers_or_says_what_it_is(name):
+    """Parse each reason: a paired estimate is named as one, with its interval, and the medians next
+    to it are labelled medians; a bare "x% (a -> b)" is exactly b / a - 1; no other percentage but a
+    band or a limit appears."""
+    layer, changes = SCENARIOS[name]
+    changes = {**dict.fromkeys(BANDS, 0.0), **changes}
+    intervals = {m: _interval(c) for m, c in changes.items() if m != "weight_mb"}
+    bands = {**BANDS, "ttft_ms_p90": 0.1, "itl_ms_p90": 0.1}
+    verdict = Policy().judge(layer, MEDIANS_BEFORE, MEDIANS_AFTER, changes, bands, intervals=intervals)
+    reason = verdict.reason
+    quoted = 0
+    for match in PAIRED.finditer(reason):
+        estimate, low, high, b, a = match.groups()
+        metric = next(w for w in reversed(reason[: match.start()].replace(";", " ").split()) if w in changes)  # the metric it belongs to
+        assert float(estimate) == pytest.approx(100 * changes[metric], abs=0.051), (metric, reason)
+        assert float(low) == pytest.approx(100 * intervals[metric][0], abs=0.051) and float(high) == pytest.approx(100 * intervals[metric][1], abs=0.051)
+        assert float(b) == pytest.approx(MEDIANS_BEFORE[metric], rel=1e-3) and float(a) == pytest.approx(MEDIANS_AFTER[metric], rel=1e-3)
+        quoted += 1
+    rest = PAIRED.sub("", reason)
+    for match in CENSUS.finditer(rest):
+        pct, b, a = match.groups()
+        assert _close(float(pct), 100 * (float(a) / float(b) - 1), b, a), (match.group(0), reason)
+        quoted += 1
+    rest = LABELLED.sub("", CENSUS.sub("", rest))
+    assert quoted >= 1, reason
+    assert "%" not in rest and "->" not in rest, f"an unlabelled number in: {reason}"
+
+
+def test_the_issue_example_reads_as_a_paired_estimate_with_its_medians():
+    """-29.3% beside medians 13.1 -> 13.7 (+4.6%) is spelled as what it is."""
+    changes = {**dict.fromkeys(BANDS, 0.0), "decode_tokens_per_s": -0.293}
+    verdict = Policy().judge(Layer.HARDWARE, MEDIANS_BEFORE, MEDIANS_AFTER, changes, BANDS, intervals={"decode_tokens_per_s": [-0.70, 0.12]})
+    assert "decode_tokens_per_s paired estimate -29.3% [95%: -70.0%, +12.0%], medians 13.1 -> 13.7, noise band ±5.0%" in verdict.reason
+
+
+# ---------------------------------------------------------------------------- numbers that are not finite (issue 13)
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_kl_that_is_not_finite_trips_its_guard(bad):
+    """A float16 step with KL NaN (issue 13) is rolled back by kl_mean's guard, and the reason says "not finite"."""
+    verdict = _judge(Policy(), Layer.MODEL, {"decode_tokens_per_s": 1.0}, kl=bad)
+    assert not verdict.kept and verdict.outcome == "guard"
+    assert "guard kl_mean max 0.05 tripped: kl_mean is not finite" in verdict.reason
+
+
+def test_a_probe_returning_nan_trips_a_min_guard():
+    """A custom probe's NaN with a ``min`` guard was kept before (NaN < 0.5 is False); now it trips."""
+    policy = Policy(guards={"probe.score": {"min": 0.5}})
+    after = {**BEFORE, "decode_tokens_per_s": 150.0, "probe.score": math.nan}
+    verdict = policy.judge(Layer.MODEL, BEFORE, after, {"decode_tokens_per_s": 0.5}, BANDS)
+    assert not verdict.kept and "guard probe.score min 0.5 tripped: probe.score is not finite (nan)" in verdict.reason
+
+
+def test_a_regression_guard_trips_on_a_change_that_is_not_finite():
+    """A finite median with a NaN paired change (no valid pair) trips the max_regression guard."""
+    changes = {**dict.fromkeys(BANDS, 0.0), "decode_tokens_per_s": 0.3, "ttft_ms": math.nan}
+    verdict = Policy().judge(Layer.HARDWARE, BEFORE, {**BEFORE, "decode_tokens_per_s": 130.0}, changes, BANDS)
+    assert not verdict.kept and "guard ttft_ms max_regression 10% tripped: its change is not finite (nan)" in verdict.reason
+
+
+def test_a_max_drop_guard_trips_when_the_baseline_number_is_not_finite():
+    policy = Policy(guards={"accuracy": {"max_drop": 0.1}})
+    after = {**BEFORE, "decode_tokens_per_s": 150.0, "accuracy": 0.9}
+    verdict = policy.judge(Layer.MODEL, BEFORE, after, {"decode_tokens_per_s": 0.5}, BANDS, baseline={"accuracy": math.nan})
+    assert not verdict.kept and "the baseline's accuracy is not finite" in verdict.reason
+
+
+@pytest.mark.parametrize("where", ["change", "value"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_an_objective_that_is_not_finite_is_never_kept(where, bad):
+    """A NaN change would pass ``better <= band`` (False) and be kept; it is "unmeasured" instead,
+    and the verdict's changes hold only finite numbers (trace.json is strict JSON)."""
+    changes = {**dict.fromkeys(BANDS, 0.0), "decode_tokens_per_s": bad if where == "change" else 0.5}
+    after = {**BEFORE, "decode_tokens_per_s": bad if where == "value" else 150.0}
+    verdict = Policy().judge(Layer.HARDWARE, BEFORE, after, changes, BANDS)
+    assert not verdict.kept and verdict.outcome == "unmeasured"
+    assert f"objective decode_tokens_per_s is not finite ({where}" in verdict.reason
+    json.dumps(verdict.changes, allow_nan=False)
+
+
+# ---------------------------------------------------------------------------- default latency guards for scheduling (issue 16)
+
+def test_scheduling_passes_are_guarded_on_ttft_and_itl_percentiles_by_default():
+    guards = {g.metric: g for g in Policy().guards_for(Layer.SCHEDULING)}
+    assert guards["ttft_ms_p90"].max_regression == 0.5 and guards["itl_ms_p90"].max_regression == 1.5
+    assert "ttft_ms_p90" not in {g.metric for g in Policy().guards_for(Layer.HARDWARE)}
+
+
+def _schedule(policy: Policy, changes: dict[str, float]):
+    before = {"throughput_tokens_per_s": 14.2, "ttft_ms_p90": 900.0, "itl_ms_p90": 64.0, "agreement": 1.0, "path_agreement": 1.0}
+    after = {m: v * (1 + changes.get(m, 0.0)) for m, v in before.items()}
+    return policy.judge(Layer.SCHEDULING, before, after, changes, {m: 0.05 for m in changes})
+
+
+def test_batching_that_makes_every_user_wait_much_longer_is_not_kept():
+    """The quickstart's static batch (issue 16): throughput +36% with TTFT +1465% is rolled back by default."""
+    verdict = _schedule(Policy(), {"throughput_tokens_per_s": 0.36, "ttft_ms_p90": 14.65, "itl_ms_p90": 0.3})
+    assert not verdict.kept and verdict.outcome == "guard"
+    assert "guard ttft_ms_p90 max_regression 50% tripped" in verdict.reason
+    assert verdict.guards == ["ttft_ms_p90 max_regression 50%", "itl_ms_p90 max_regression 150%", "path_agreement min 1"]
+
+
+def test_batching_that_trades_inter_token_latency_for_throughput_is_kept():
+    """Continuous batching as measured on this CPU (docs/passes.md): throughput 2x, TTFT p90 -80%,
+    ITL p90 +133%: kept, and the reason names the ITL it costs."""
+    verdict = _schedule(Policy(), {"throughput_tokens_per_s": 1.0, "ttft_ms_p90": -0.8, "itl_ms_p90": 1.33})
+    assert verdict.kept, verdict.reason
+    assert "at a cost no guard forbids: itl_ms_p90 paired estimate +133.0%" in verdict.reason
+
+
+def test_a_recipe_slo_replaces_the_default_latency_guard():
+    """``ttft_ms_p90: {max: 4000}`` in the recipe replaces the relative default on that metric."""
+    policy = Policy(guards={"ttft_ms_p90": {"max": 4000}})
+    guards = {g.metric: g for g in policy.guards_for(Layer.SCHEDULING)}
+    assert guards["ttft_ms_p90"].max == 4000 and guards["ttft_ms_p90"].max_regression is None
+    assert _schedule(policy, {"throughput_tokens_per_s": 0.5, "ttft_ms_p90": 2.0}).kept  # 2700 ms: under the SLO
+
+
+@pytest.mark.parametrize("limit", [math.nan, math.inf])
+def test_a_guard_limit_must_be_finite(limit):
+    """``kl_mean: {max: .nan}`` would make the guard unable to trip: refused with the field named."""
+    with pytest.raises(RecipeError, match=r"policy.guards.kl_mean.max: got (nan|inf), expected a finite number"):
+        Policy(guards={"kl_mean": {"max": limit}})

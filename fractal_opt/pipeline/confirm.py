@@ -1,0 +1,242 @@
+"""The final confirmation: after the last step, the final plan measured against the baseline.
+
+Every step is judged against the plan kept before it, minutes after the baseline was measured,
+under whatever else the machine was doing then. Setting the kept plan's last medians beside the
+baseline's is therefore not a measurement of "final vs baseline": on a busy machine two
+measurements of the *same* plan differed by up to 38% (issue 16). So after the last step the
+baseline and the final plan are served in the same rounds, A B / B A, with the rule of every step
+(:func:`~fractal_opt.measure.runner.measure_pair`, paired bootstrap intervals per metric, the
+noise band of :func:`~fractal_opt.measure.noise.band`), and "final vs baseline" in trace.json,
+report.md and the terminal comes only from that comparison, with its intervals. When no pass was
+kept the final plan is the baseline: nothing is measured and no change is printed.
+
+``trace.final["status"]``:
+
+- ``provisional``: written after every step, the best plan so far; not compared with the baseline.
+- ``unchanged``: no pass was kept; nothing changed.
+- ``confirmed``: measured again; the objective of every layer that kept a pass improved beyond noise.
+- ``not_confirmed``: measured again; some kept layer's objective did not (the note says which).
+- ``failed``: the confirmation could not run (the error is kept); no final-vs-baseline numbers.
+
+When the two plans do not fit in memory together (the step measurer's own rule), they are measured
+one after the other instead, and the band includes twice the calibration's A/A drift, as a
+back-to-back step's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..measure.metrics import METRICS, Measurement
+from ..measure.noise import band
+from ..measure.runner import measure, measure_pair, paired_changes
+
+if TYPE_CHECKING:
+    from ..engine.protocol import Engine
+    from ..plan import Plan
+    from .step_measurement import StepMeasurer
+
+__all__ = ["HEADLINE", "confirm", "failed", "final_lines", "same_plan", "unchanged"]
+
+# The numbers "final vs baseline" spells out (trace.json keeps every metric's interval). Peak
+# memory is left out: interleaving keeps both models resident, so it cannot show either plan's own.
+HEADLINE = ("decode_tokens_per_s", "ttft_ms", "e2e_ms", "throughput_tokens_per_s", "ttft_ms_p90", "itl_ms_p90")
+
+
+def same_plan(a: Plan, b: Plan) -> bool:
+    """True when two plans serve alike: every section equal (the list of applied passes aside)."""
+    da, db = a.to_dict(), b.to_dict()
+    da.pop("applied", None)
+    db.pop("applied", None)
+    return da == db
+
+
+def unchanged() -> dict[str, Any]:
+    """``trace.final``'s fields when the final plan is the baseline: no comparison, no deltas."""
+    return {"status": "unchanged", "vs_baseline": {}, "confirmation": {}}
+
+
+def failed(error: BaseException) -> dict[str, Any]:
+    """``trace.final``'s fields when the confirmation could not run: the error, and no deltas."""
+    return {"status": "failed", "vs_baseline": {}, "confirmation": {"error": f"{type(error).__name__}: {error}".strip()[:500]}}
+
+
+def confirm(
+    steps: StepMeasurer,
+    *,
+    baseline_plan: Plan,
+    final_plan: Plan,
+    build: Callable[[Plan], Engine],
+    objectives: Iterable[str],
+    weight_mb: tuple[float | None, float | None] = (None, None),
+    label: str = "final vs baseline",
+) -> dict[str, Any]:
+    """Measure ``final_plan`` against ``baseline_plan`` after the last step; ``trace.final``'s fields.
+
+    Args:
+        steps: the run's step measurer: its fit rule decides interleaved or back to back, its
+            engine of the kept plan is reused, and its workload, requests, ``min_effect`` and
+            calibration are the ones every step used.
+        build: ``build(plan) -> Engine``, prepared for measurement (the runner's own build).
+        objectives: the objectives of the layers that kept a pass: the final plan is
+            ``confirmed`` when each of them improved beyond noise. Rounds are added (up to the
+            workload's ``max_repeats``) while the last one's interval is unsettled, as in a step.
+        weight_mb: the baseline's and the final plan's weights from the census (exact, no interval).
+    """
+    objectives = list(dict.fromkeys(objectives))
+    objective = objectives[-1] if objectives else "decode_tokens_per_s"
+    say = steps.say
+
+    def progress(m: str) -> None:
+        say(f"{label}: measuring, {m}")
+
+    mode = steps.before_build(baseline_plan, final_plan)  # keeps the final plan's engine resident when both fit
+    if mode == "interleaved":
+        final_engine = steps.previous if steps.previous is not None else build(final_plan)
+        say(f"{label}: loading the baseline again")
+        base_engine = build(baseline_plan)
+        try:
+            before, after = measure_pair(base_engine, final_engine, steps.workload, requests=steps.requests, objective=objective,
+                                         min_effect=steps.min_effect, warm_previous=True, progress=progress)
+        finally:
+            if base_engine is not final_engine:
+                base_engine.close()
+        drift: Mapping[str, float] = {}
+        note = "baseline and final plan measured again after the last step, interleaved (A B / B A)"
+    else:
+        before = _alone(build, baseline_plan, steps, progress)
+        after = _alone(build, final_plan, steps, progress)
+        drift = steps.calibration
+        note = ("baseline and final plan did not fit in memory together: measured again one after the other; "
+                "the band includes 2 x the A/A drift")
+    return record(before, after, mode=mode, note=note, objectives=objectives, min_effect=steps.min_effect, drift=drift, weight_mb=weight_mb)
+
+
+def _alone(build: Callable[[Plan], Engine], plan: Plan, steps: StepMeasurer, progress: Callable[[str], None]) -> Measurement:
+    """Build ``plan``, measure it on its own, and release it (so the next plan has the memory)."""
+    from .. import runtimes
+
+    engine = build(plan)
+    try:
+        return measure(engine, steps.workload, requests=steps.requests, progress=progress)
+    finally:
+        engine.close()
+        runtimes.clear_cache()
+
+
+def record(
+    before: Measurement,
+    after: Measurement,
+    *,
+    mode: str,
+    note: str,
+    objectives: list[str],
+    min_effect: float,
+    drift: Mapping[str, float] | None = None,
+    weight_mb: tuple[float | None, float | None] = (None, None),
+) -> dict[str, Any]:
+    """``trace.final``'s fields from the two measurements (baseline ``before``, final ``after``).
+
+    Per metric: the paired change and its 95% interval, the noise band, the two medians (labelled
+    as such: the change is not their ratio) and a verdict ``better`` / ``worse`` / ``within noise``.
+    """
+    intervals = paired_changes(before, after)
+    drift = drift or {}
+    b_sum, a_sum = before.summary(), after.summary()
+    metrics: dict[str, dict[str, Any]] = {}
+    for m in METRICS:
+        iv = intervals.get(m)
+        if iv is None:
+            continue
+        width = round(band(iv, min_effect=min_effect, drift=drift.get(m)), 4)
+        gain = iv.change if METRICS[m] else -iv.change
+        verdict = "better" if gain > width else "worse" if gain < -width else "within noise"
+        metrics[m] = {"change": round(iv.change, 4), "interval": iv.to_list(), "band": width, "verdict": verdict,
+                      "baseline_median": b_sum.get(m), "final_median": a_sum.get(m)}
+    base_w, final_w = weight_mb
+    if base_w and final_w is not None:  # census figures: exact, the change is their ratio
+        metrics["weight_mb"] = {"change": round(final_w / base_w - 1, 4), "baseline": base_w, "final": final_w, "source": "census",
+                                "verdict": "better" if final_w < base_w else "worse" if final_w > base_w else "within noise"}
+    missing = [o for o in objectives if o not in metrics]
+    short = [o for o in objectives if o in metrics and metrics[o]["verdict"] != "better"]
+    status = "confirmed" if objectives and not missing and not short else "not_confirmed"
+    why = ""
+    if short:
+        why = "the objective " + ", ".join(f"{o} is {metrics[o]['verdict']}" for o in short) + " against the baseline"
+    if missing:
+        why += ("; " if why else "") + "no paired number for " + ", ".join(missing)
+    confirmation = {"mode": mode, "rounds": len(after.repeats), "note": note, "objectives": objectives, "metrics": metrics}
+    if why:
+        confirmation["not_confirmed"] = why
+    vs = {m: metrics[m]["change"] for m in (*HEADLINE, "weight_mb") if m in metrics}
+    return {"status": status, "vs_baseline": vs, "confirmation": confirmation}
+
+
+# ---------------------------------------------------------------------------- rendering
+
+def final_lines(final: Mapping[str, Any], *, markdown: bool = True) -> list[str]:
+    """What report.md (``markdown``) or the terminal says about the final plan.
+
+    Only a confirmation's numbers are printed as final vs baseline; a provisional plan (a run in
+    progress or killed) is named as the best so far, without deltas.
+    """
+    if not final:
+        return []
+    kept = list(final.get("kept") or [])
+    status = final.get("status", "provisional")
+    names = ", ".join(kept)
+    if status == "unchanged" or (not kept and status != "provisional"):
+        if kept:  # kept passes whose settings add up to the baseline's
+            return [f"Final plan: the baseline's settings (kept: {names}, which together change nothing); nothing changed."]
+        return ["Final plan: the baseline: no pass was kept; nothing changed."]
+    if status == "provisional":
+        if not kept:
+            return ["Best plan so far: the baseline (no pass kept yet)."]
+        return [f"Best plan so far: {names} (not yet measured against the baseline: that runs after the last step)."]
+    out = [f"Final plan: {names}."]
+    conf = final.get("confirmation") or {}
+    if status == "failed":
+        return [*out, f"Final vs baseline: not measured (the confirmation failed: {conf.get('error', 'unknown error')}); no change is claimed."]
+    metrics = conf.get("metrics") or {}
+    head = (f"Final vs baseline ({conf.get('note', 'measured again')}, {conf.get('rounds')} rounds; paired estimate [95% interval], "
+            "medians baseline -> final):")
+    rows = [m for m in (*HEADLINE, "weight_mb") if m in metrics]
+    if markdown:
+        out += ["", head, "", "| metric | paired change [95%] | noise band | medians baseline -> final | verdict |", "|---|---|---|---|---|"]
+        out += [_row(m, metrics[m]) for m in rows]
+        out.append("")
+    else:
+        out.append(head)
+        out += [f"  {m}: {_cell(metrics[m])}" for m in rows]
+    if status == "confirmed":
+        out.append(f"Confirmed: {', '.join(conf.get('objectives') or [])} better than the baseline beyond noise.")
+    else:
+        out.append(f"Not confirmed: {conf.get('not_confirmed', 'the kept objectives did not improve beyond noise')}; "
+                   "the steps' gains did not hold up when the final plan met the baseline again.")
+    return out
+
+
+def _num(v: Any) -> str:
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return "–"
+    return f"{v:.4g}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def _cell(entry: Mapping[str, Any]) -> str:
+    """One metric for the terminal: the change, where it comes from, and the verdict."""
+    if entry.get("source") == "census":
+        return f"{entry['change']:+.1%} ({_num(entry['baseline'])} -> {_num(entry['final'])} MB, census) {entry['verdict']}"
+    lo, hi = entry["interval"]
+    return (f"paired estimate {entry['change']:+.1%} [95%: {lo:+.1%}, {hi:+.1%}], band ±{entry['band']:.1%}, "
+            f"medians {_num(entry.get('baseline_median'))} -> {_num(entry.get('final_median'))}: {entry['verdict']}")
+
+
+def _row(metric: str, entry: Mapping[str, Any]) -> str:
+    if entry.get("source") == "census":
+        cells = [metric, f"{entry['change']:+.1%} (census, exact)", "–", f"{_num(entry['baseline'])} -> {_num(entry['final'])}", entry["verdict"]]
+    else:
+        lo, hi = entry["interval"]
+        cells = [metric, f"{entry['change']:+.1%} [{lo:+.1%}, {hi:+.1%}]", f"±{entry['band']:.1%}",
+                 f"{_num(entry.get('baseline_median'))} -> {_num(entry.get('final_median'))}", entry["verdict"]]
+    return "| " + " | ".join(cells) + " |"

@@ -1,0 +1,171 @@
+"""The final confirmation on the fake engine: final vs baseline comes only from measuring them again, interleaved."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from conftest import small_recipe_dict
+
+from fractal_opt.measure.machine_limits import MachineLimits
+from fractal_opt.measure.runner import measure_pair
+from fractal_opt.pipeline import confirm
+from fractal_opt.pipeline.runner import Pipeline
+from fractal_opt.plan import Plan
+from fractal_opt.recipe import load_recipe
+from fractal_opt.testing import FakeEngine, cpu_machine
+from fractal_opt.workload import Workload
+
+LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
+# bfloat16 decodes (and prefills) this much faster on the fake engine: the planted speed-up.
+PLANTED = 1.10
+# A Llama-shaped config (about 10 MB of float32 weights), so the pre-flight can size two models side by side.
+LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 512, "vocab_size": 512, "tie_word_embeddings": True, "max_position_embeddings": 4096}
+
+
+class JitteryEngine(FakeEngine):
+    """A fake engine whose every request takes a random 0.95x-1.05x of its nominal time (seeded):
+    the planted effect must be found through noise, as on a real machine, not read off exact clocks."""
+
+    rng = random.Random(7)
+
+    def serve(self, requests, **kwargs):
+        nominal, prefill = self.per_token_s, self.prefill_s
+        out = []
+        try:
+            for request in requests:
+                jitter = self.rng.uniform(0.95, 1.05)
+                self.per_token_s, self.prefill_s = nominal * jitter, prefill * jitter
+                out += super().serve([request], **kwargs)
+        finally:
+            self.per_token_s, self.prefill_s = nominal, prefill
+        return out
+
+
+@pytest.fixture(scope="module")
+def fake_model(tmp_path_factory):
+    """A model folder with a config only; the fake engine never reads it (the recipe skips the file check)."""
+    path = tmp_path_factory.mktemp("fake-confirm") / "model"
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "fake"}', encoding="utf-8")
+    return path
+
+
+def _run(recipe_dict, out=None, *, builds=None, **fake):
+    """One run on jittery fake engines; ``builds`` (a list) collects every plan built."""
+    factory = JitteryEngine.factory(per_token_ms=2.0, **fake)
+
+    def build(plan, **kwargs):
+        if builds is not None:
+            builds.append(plan)
+        return factory(plan, **kwargs)
+
+    recipe = load_recipe(recipe_dict, check_model=False)
+    return Pipeline(recipe, out_dir=out, progress=False, machine=cpu_machine(), build=build, refuse=FakeEngine.refuse, limits=LIMITS).run()
+
+
+def _bf16_recipe(fake_model, **workload):
+    wl = {"max_new_tokens": 12, "repeats": 4, "limit": 3, **workload}
+    return small_recipe_dict(fake_model, passes={"hardware": [{"dtype": {"dtype": "bfloat16"}}]}, **wl)
+
+
+@pytest.fixture(scope="module")
+def planted(fake_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("confirm-out")
+    return _run(_bf16_recipe(fake_model), out, speed={"hardware.dtype": {"bfloat16": PLANTED}}), out
+
+
+def test_a_planted_ten_percent_speed_up_is_confirmed_with_an_interval_that_excludes_zero(planted):
+    """bfloat16 is 10% faster on the jittery fake: the step keeps it, and measuring the final plan
+    against the baseline again finds about +10% decode, its 95% interval above zero."""
+    result, _ = planted
+    assert [s.status for s in result.trace.steps] == ["kept"], result.trace.steps[0].reason
+    final = result.trace.final
+    assert final["status"] == "confirmed", final
+    decode = final["confirmation"]["metrics"]["decode_tokens_per_s"]
+    low, high = decode["interval"]
+    assert 0 < low <= decode["change"] <= high, decode
+    assert decode["change"] == pytest.approx(PLANTED - 1, abs=0.04)
+    assert decode["verdict"] == "better"
+    assert final["vs_baseline"]["decode_tokens_per_s"] == decode["change"]
+    assert final["confirmation"]["mode"] == "interleaved" and final["confirmation"]["rounds"] >= 4
+
+
+def test_final_vs_baseline_is_printed_from_the_confirmation_only(planted):
+    """report.md and the terminal lines quote the confirmation's paired estimate and interval, and
+    trace.json holds it (strict JSON: no NaN)."""
+    result, out = planted
+    decode = result.trace.final["confirmation"]["metrics"]["decode_tokens_per_s"]
+    low, high = decode["interval"]
+    report = (out / "report.md").read_text()
+    assert "Final vs baseline (baseline and final plan measured again after the last step, interleaved" in report
+    assert f"| decode_tokens_per_s | {decode['change']:+.1%} [{low:+.1%}, {high:+.1%}] |" in report
+    assert "Confirmed: decode_tokens_per_s better than the baseline beyond noise." in report
+    text = "\n".join(confirm.final_lines(result.trace.final, markdown=False))
+    assert f"decode_tokens_per_s: paired estimate {decode['change']:+.1%} [95%: {low:+.1%}, {high:+.1%}]" in text
+    trace = json.loads((out / "trace.json").read_text(), parse_constant=lambda c: pytest.fail(f"trace.json holds {c}"))
+    assert trace["final"]["confirmation"]["metrics"]["decode_tokens_per_s"]["interval"] == [low, high]
+
+
+def test_identical_plans_give_no_change_and_no_deltas(fake_model, tmp_path):
+    """A pass that changes no speed is rolled back; the final plan is the baseline, so nothing is
+    measured again and the report says "nothing changed" without a single delta."""
+    builds: list[Plan] = []
+    result = _run(_bf16_recipe(fake_model, repeats=3), tmp_path, builds=builds)  # no speed table: bfloat16 is as fast
+    assert [s.status for s in result.trace.steps] == ["rolled_back"], result.trace.steps[0].reason
+    assert result.trace.steps[0].reason.startswith("no change beyond noise"), result.trace.steps[0].reason
+    final = result.trace.final
+    assert final["status"] == "unchanged" and final["vs_baseline"] == {} and final["confirmation"] == {}
+    report = (tmp_path / "report.md").read_text()
+    assert "Final plan: the baseline: no pass was kept; nothing changed." in report
+    assert "Final vs baseline" not in report
+    # Built: the baseline, the candidate, and the baseline again after the rollback; no confirmation build.
+    assert [p.hardware.dtype for p in builds] == ["float32", "bfloat16", "float32"]
+
+
+def test_plans_that_do_not_fit_together_are_confirmed_one_after_the_other(tmp_path):
+    """On a machine too small for two copies of the model (a Llama config's weights against 16 MB),
+    the confirmation measures baseline and final plan back to back, and says so."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
+    recipe = load_recipe(_bf16_recipe(model), check_model=False)
+    build = JitteryEngine.factory(per_token_ms=2.0, speed={"hardware.dtype": {"bfloat16": PLANTED}})
+    result = Pipeline(recipe, progress=False, machine=cpu_machine(memory_bytes=16 * 2**20), build=build, refuse=FakeEngine.refuse, limits=LIMITS).run()
+    conf = result.trace.final["confirmation"]
+    assert conf["mode"] == "back_to_back" and "one after the other" in conf["note"]
+    assert result.trace.final["status"] == "confirmed", conf
+    assert conf["metrics"]["decode_tokens_per_s"]["interval"][0] > 0
+
+
+def test_two_measurements_of_the_same_plan_are_within_noise():
+    """The confirmation's own rule on two engines of one plan: every headline metric is 'within
+    noise', so the same plan is never reported as a change (issue 16: +11.8% / -38% on one plan)."""
+    build = JitteryEngine.factory(per_token_ms=2.0)
+    plan = Plan(source="fake")
+    workload = Workload(suite="default", limit=3, max_new_tokens=12, repeats=4, warmup=1)
+    before, after = measure_pair(build(plan), build(plan), workload, min_effect=0.05)
+    fields = confirm.record(before, after, mode="interleaved", note="same plan twice", objectives=["decode_tokens_per_s"], min_effect=0.05)
+    verdicts = {m: e["verdict"] for m, e in fields["confirmation"]["metrics"].items() if m in confirm.HEADLINE}
+    assert verdicts and set(verdicts.values()) == {"within noise"}, verdicts
+    assert fields["status"] == "not_confirmed"
+    assert "decode_tokens_per_s is within noise" in fields["confirmation"]["not_confirmed"]
+
+
+def test_a_run_in_progress_claims_no_final_vs_baseline():
+    """Between steps trace.final is provisional: the best plan so far is named, with no deltas."""
+    lines = confirm.final_lines({"kept": ["hardware/dtype"], "status": "provisional", "vs_baseline": {}})
+    assert lines == ["Best plan so far: hardware/dtype (not yet measured against the baseline: that runs after the last step)."]
+    failed = confirm.final_lines({"kept": ["hardware/dtype"], **confirm.failed(MemoryError("out of memory"))})
+    assert failed[-1] == "Final vs baseline: not measured (the confirmation failed: MemoryError: out of memory); no change is claimed."
+
+
+def test_a_plan_equal_to_the_baseline_but_for_its_history_is_the_baseline():
+    """Kept passes whose settings add up to the baseline's change nothing: no confirmation, no deltas."""
+    base = Plan(source="fake")
+    again = base.replace_section("hardware", dtype="bfloat16").replace_section("hardware", dtype=base.hardware.dtype).with_applied("dtype")
+    assert confirm.same_plan(base, again) and not confirm.same_plan(base, base.replace_section("hardware", dtype="bfloat16"))
+    lines = confirm.final_lines({"kept": ["hardware/dtype"], **confirm.unchanged()})
+    assert lines == ["Final plan: the baseline's settings (kept: hardware/dtype, which together change nothing); nothing changed."]
