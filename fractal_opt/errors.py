@@ -4,9 +4,11 @@ Every error is a :class:`FractalOptError`, so an app can catch them all in one p
 
     FractalOptError
     ├── RecipeError          bad recipe / pass / plan input, raised before any model is loaded
+    │   └── ResumeError      the output folder holds another run, or a run that cannot be resumed
     ├── ModelSourceError     the model cannot be found or installed (says how to get it)
     └── EngineError          building or serving a plan failed
-        └── RequestRejected  the engine refused a request (over the context cap, queue full)
+        ├── RequestRejected  the engine refused a request (over the context cap, queue full)
+        └── RunFailed        the baseline failed, so the run ended (its trace.json says why)
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ __all__ = [
     "ModelSourceError",
     "RecipeError",
     "RequestRejected",
+    "ResumeError",
+    "RunFailed",
     "closest",
 ]
 
@@ -32,6 +36,12 @@ class RecipeError(FractalOptError, ValueError):
     """A recipe, pass or plan value is invalid. Raised before any model is loaded."""
 
 
+class ResumeError(RecipeError):
+    """The output folder holds another run (and neither resume nor force was asked for), or the
+    run there cannot be resumed (its fingerprint differs: the message says what changed).
+    Raised before any model is loaded, so the folder's files are left as they were."""
+
+
 class ModelSourceError(FractalOptError):
     """A model source cannot be resolved (not installed, not found)."""
 
@@ -42,6 +52,11 @@ class EngineError(FractalOptError, RuntimeError):
 
 class RequestRejected(EngineError):
     """The engine refused a request (for example a prompt over the context cap)."""
+
+
+class RunFailed(EngineError):
+    """The run could not go on: its baseline failed (a build, a measurement or a probe raised, or
+    it ran past ``policy.timeout_s``). The output folder's trace.json records the failure."""
 
 
 def closest(name: str, valid: Iterable[str]) -> str:

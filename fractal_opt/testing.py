@@ -223,6 +223,8 @@ class FakeEngine(Engine):
         self.logprobs = logprobs  # "full" | "top-k" | "none": what next_token_logprobs / top_logprobs give
         self.served = 0  # generate calls served, for tests that count them
         self.model: Any = "fake"  # the protocol's handle: None once closed (engine.closed)
+        # Injected faults (factory's fail_serve / hang_s / nan): "serve" -> message, "hang" -> seconds, "nan" -> True.
+        self.faults: dict[str, Any] = {}
 
     @classmethod
     def factory(
@@ -237,6 +239,9 @@ class FakeEngine(Engine):
         weight_bytes: int = 64 * 2**20,
         vocab_size: int = 64,
         logprobs: str = "full",
+        fail_serve: FieldTable | None = None,
+        hang_s: FieldTable | None = None,
+        nan: FieldTable | None = None,
     ) -> Callable[..., FakeEngine]:
         """A build function (``Pipeline(recipe, build=...)``) for fake engines.
 
@@ -253,6 +258,11 @@ class FakeEngine(Engine):
             vocab_size: tokens the fake vocabulary holds.
             logprobs: ``"full"``, ``"top-k"`` (next_token_logprobs raises, top_logprobs answers) or
                 ``"none"`` (both raise), as runtimes without full distributions do.
+            fail_serve: ``{"section.field": {value: message}}``; such a plan builds, and serving raises RuntimeError(message).
+            hang_s: ``{"section.field": {value: seconds}}``; serving such a plan hangs that long (in
+                short sleeps, as a polling wait does) before it answers.
+            nan: ``{"section.field": {value: True}}``; such a plan's log-probabilities are NaN (a
+                float16 overflow), so its KL and perplexity are NaN.
         """
         if logprobs not in ("full", "top-k", "none"):
             raise ValueError(f"logprobs={logprobs!r}: expected 'full', 'top-k' or 'none'")
@@ -266,10 +276,13 @@ class FakeEngine(Engine):
             bits = 16 if plan.hardware.dtype in ("bfloat16", "float16") else 32
             if plan.model.weight_bits:
                 bits = plan.model.weight_bits
-            return cls(plan, machine=machine, max_new_tokens=max_new_tokens, per_token_s=per_token_ms / 1000 / decode,
-                       prefill_s=prefill_ms / 1000 / prefill, weight_bytes=weight_bytes * bits // 32, vocab_size=vocab_size,
-                       noise=sum(_lookup(drift or {}, plan)), prepare_s={"compile_s": 0.01} if plan.hardware.compile else {},
-                       logprobs=logprobs)
+            engine = cls(plan, machine=machine, max_new_tokens=max_new_tokens, per_token_s=per_token_ms / 1000 / decode,
+                         prefill_s=prefill_ms / 1000 / prefill, weight_bytes=weight_bytes * bits // 32, vocab_size=vocab_size,
+                         noise=sum(_lookup(drift or {}, plan)), prepare_s={"compile_s": 0.01} if plan.hardware.compile else {},
+                         logprobs=logprobs)
+            engine.faults = {name: found[0] for name, table in (("serve", fail_serve), ("hang", hang_s), ("nan", nan))
+                             if (found := _lookup(table or {}, plan))}
+            return engine
 
         return build
 
@@ -277,6 +290,12 @@ class FakeEngine(Engine):
     def serve(self, requests: Sequence[Request], *, max_new_tokens: int | None = None, seed: int = 0, sync: Any = None) -> list[Generation]:
         out = []
         budget = self.budget(max_new_tokens)
+        if "hang" in self.faults:
+            until = time.perf_counter() + float(self.faults["hang"])
+            while time.perf_counter() < until:
+                time.sleep(0.01)
+        if "serve" in self.faults:
+            raise RuntimeError(self.faults["serve"])
         for request in requests:
             prompt = self.encode(" ".join(text for _, text in request.messages))
             t_submit = time.perf_counter()
@@ -330,6 +349,8 @@ class FakeEngine(Engine):
         table = torch.randn(self.vocab_size, self.vocab_size, generator=torch.Generator().manual_seed(0))
         if self.noise:
             table = table + self.noise * torch.randn(self.vocab_size, self.vocab_size, generator=torch.Generator().manual_seed(1))
+        if self.faults.get("nan"):
+            table = torch.full_like(table, float("nan"))
         for start in range(0, ids.numel(), chunk):
             yield torch.log_softmax(table[ids[start : start + chunk]], dim=-1)
 

@@ -10,19 +10,33 @@ def add(sub) -> None:
     p.add_argument("recipe", help="path to a YAML recipe")
     p.add_argument("--out", default="fractal-out", help="output folder (default: ./fractal-out)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    again = p.add_mutually_exclusive_group()  # a folder holding a run is refused without one of these
+    again.add_argument("--resume", action="store_true",
+                       help="continue the run in --out from its journal: finished steps are not measured again (refused if the recipe, model or machine changed)")
+    again.add_argument("--force", action="store_true", help="replace the run in --out")
+    p.add_argument("--wait-quiet", nargs="?", type=float, const=600.0, default=0.0, metavar="SECONDS",
+                   help="before measuring, wait until other processes leave the CPU (at most SECONDS, default 600)")
+    p.add_argument("--stop-at-target", action="store_true", help="end the run once every target of the recipe is met (the remaining steps are recorded as skipped)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pipeline.runner import optimize
+    import sys
 
-    result = optimize(args.recipe, out=args.out, progress=not args.quiet)
+    from ..pipeline.confirm import final_lines
+    from ..pipeline.report import busy_warning
+    from ..pipeline.runner import optimize
+    from ..recipe import load_recipe
+
+    for spec in load_recipe(args.recipe, check_model=False).code():  # quality.allow_code: the recipe's own code is a trust boundary
+        print(f"fractal-opt: this recipe imports and runs: {spec}", file=sys.stderr)
+    result = optimize(args.recipe, out=args.out, progress=not args.quiet, stop_at_target=args.stop_at_target, wait_quiet=args.wait_quiet,
+                      resume=args.resume, force=args.force)
     print(result.trace.to_text())
     print()
-    kept = result.trace.final.get("kept") or []
-    print(f"Kept: {', '.join(kept) if kept else 'nothing (the baseline stays)'}")
-    vs = result.trace.final.get("vs_baseline") or {}
-    if vs:
-        print("Final vs baseline: " + ", ".join(f"{k} {v:+.1%}" for k, v in vs.items()))
+    if warning := busy_warning(result.trace.calibration):  # the A/A band could not resolve min_effect
+        print(warning)
+    for line in final_lines(result.trace.final, markdown=False):  # final vs baseline: only the final confirmation's numbers
+        print(line)
     print(f"Wrote {args.out}/trace.json, {args.out}/report.md, {args.out}/recipe.yaml")
     return 0

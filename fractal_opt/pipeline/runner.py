@@ -11,7 +11,8 @@ The runner knows no particular pass or runtime. It asks a pass through its proto
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import json
 import time
 import traceback
 from collections.abc import Callable
@@ -21,19 +22,25 @@ from typing import Any
 
 from .. import runtimes
 from ..engine.protocol import Engine
-from ..errors import EngineError
+from ..errors import EngineError, ModelSourceError, RecipeError, ResumeError, RunFailed
 from ..machine import Machine, resolve_device
 from ..measure.machine_limits import MachineLimits, probe_limits
 from ..measure.metrics import Measurement
-from ..passes import Pass
+from ..passes import Layer, Pass
 from ..plan import Plan
 from ..quality.evals import load_eval_set, score
 from ..quality.probes import agreement, agreement_between, build_reference, model_probes
+from ..quiet import quiet_third_party
 from ..recipe import Recipe, dump_recipe, load_recipe
 from ..workload import Request
-from .gate import expand_ramps, skip_reason
+from . import confirm
+from .deadline import StepTimeout, WorkerAbandoned, abandoned, checkpoint, run_with_deadline
+from .gate import PassSteps, skip_reason
+from .journal import JOURNAL, Journal, fingerprint, measurement_from_dict, measurement_to_dict
+from .outputs import OUTPUTS, check_writable, write_outputs
 from .progress import Progress
-from .step_measurement import Comparison, StepMeasurer
+from .step_measurement import Comparison, StepMeasurer, read_shape
+from .targets import note_targets, stop_reason
 from .trace import Step, Trace
 
 __all__ = ["Pipeline", "Result", "optimize"]
@@ -52,7 +59,13 @@ class Result:
     out_dir: Path | None = None
 
     def _repr_html_(self) -> str:
+        """In a notebook: the same content as report.html."""
         return self.trace._repr_html_()
+
+    def __repr__(self) -> str:
+        where = f"\n  results in {self.out_dir} (report.html, report.md, trace.json, recipe.yaml)" if self.out_dir else ""
+        plan, trace = (repr(x).replace("\n", "\n    ") for x in (self.plan, self.trace))  # their own lines, indented under them
+        return f"Result(\n  plan: {plan}\n  trace: {trace}{where}\n)"
 
 
 class Pipeline:
@@ -69,6 +82,11 @@ class Pipeline:
         refuse: ``refuse(plan) -> str | None``, what the runtime cannot honour; None = the runtime's
             own (:func:`fractal_opt.runtimes.refuse`).
         limits: the machine's bandwidth and matmul ceilings (probed here, cached per machine, when None).
+        stop_at_target: once every target of the recipe is met, skip the remaining steps (recorded with that reason).
+        wait_quiet: before the A/A calibration, wait up to this many seconds for other processes to leave the CPU (0 = no wait).
+        resume: continue the run in ``out_dir`` from its journal (its finished steps are not measured
+            again); refused when the recipe, the model files or the machine changed.
+        force: replace the run in ``out_dir``. Without resume or force, a folder holding a run is refused.
     """
 
     def __init__(
@@ -81,14 +99,25 @@ class Pipeline:
         build: Build | None = None,
         refuse: Callable[[Plan], str | None] | None = None,
         limits: MachineLimits | None = None,
+        stop_at_target: bool = False,
+        wait_quiet: float = 0.0,
+        resume: bool = False,
+        force: bool = False,
     ):
-        self.recipe = load_recipe(recipe)
+        # A real build needs the weights and tokenizer too, so a model folder without them is
+        # refused here (exit 2) rather than by the baseline's loader; a fake build needs neither.
+        self.recipe = load_recipe(recipe, complete_model=build is None)
         self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.resume, self.force = resume, force
+        if self.out_dir is not None:
+            self._check_out()  # a file, an unwritable folder, another run's folder: refused before anything loads
         self.progress = progress if callable(progress) else Progress(bool(progress))
         self.machine = machine
         self.build = build or runtimes.build
         self.refuse = refuse or runtimes.refuse
         self.limits = limits
+        self.stop_at_target = stop_at_target
+        self.wait_quiet = wait_quiet  # seconds the calibration may wait for other work to leave the CPU (0 = no wait)
         # Loaded now, so a bad eval set or probe fails before any model is loaded.
         self._eval_items = load_eval_set(self.recipe.quality.eval) if self.recipe.quality.eval else []
         self._probes = self.recipe.quality.load_probes()
@@ -102,6 +131,15 @@ class Pipeline:
         self._current: Measurement | None = None
         self._current_quality: dict[str, Any] = {}
         self._weight_mb: float | None = None  # the kept plan's weights (census), MB
+        self._machine: Machine | None = None
+        self._limits: MachineLimits | None = None  # the ceilings in use (given, probed, or from the journal)
+        self._stage = ""  # what the step in progress is doing, for its failure message
+        self._outcome = ""  # the last tried step's verdict outcome, for its journal record
+        # Resume (pipeline/journal.py): the journal, and what it holds of the run being resumed.
+        self._journal: Journal | None = None
+        self._journaled_baseline: dict[str, Any] | None = None
+        self._replay: dict[int, dict[str, Any]] = {}  # finished steps by position (1 = the first step)
+        self._reference_outputs: dict[str, list[int]] | None = None  # a resumed baseline's outputs, until the reference is scored again
 
     # ------------------------------------------------------------------ the run
     def run(self) -> Result:
@@ -109,22 +147,31 @@ class Pipeline:
         self._trace = Trace(recipe=self.recipe.to_dict(), machine=machine.to_dict())
         self._model_probes = {}
         self._requests = self.recipe.workload.requests()
-        schedule = expand_ramps(list(self.recipe.passes))
+        passes = list(self.recipe.passes)
+        self._machine = machine
+        self._open_journal(machine)  # refuses a resume whose inputs changed; marks the run in progress
         self._baseline(machine)
-        last_ramp: Pass | None = None
-        last_outcome = ""  # the last judged step's Verdict.outcome ("" when it was not judged)
-        for index, (p, ramp) in enumerate(schedule, start=1):
-            label = f"[{index}/{len(schedule)}] {p.layer.section}/{p.describe()}"
-            step = Step(pass_name=p.name, layer=p.layer.section, params=p.params(), status="", reason="")
-            previous = self._trace.steps[-1] if self._trace.steps else None
-            if ramp is not None and ramp is last_ramp and previous is not None and (stop := ramp.stop(previous.status, last_outcome)):
-                # A ramp steps up only from a level that held; its last kept level is its answer.
-                self._skip(step, label, f"{ramp.name} ramp stopped: {stop}")
-            else:
-                last_outcome = self._try(p, ramp, step, label, machine)
-            last_ramp = ramp
-            self._record(step)
+        for index, p in enumerate(passes, start=1):
+            if self.stop_at_target and (done := stop_reason(self._trace)):  # targets (issue 15): all met, the rest is skipped
+                step = Step(pass_name=p.name, layer=p.layer.section, params=p.params(), status="", reason="")
+                self._skip(step, f"[{index}/{len(passes)}] {p.layer.section}/{p.describe()}", done)
+                self._record(step)
+                continue
+            # A pass runs as the steps it proposes one at a time (a search: from its levels' outcomes).
+            steps = PassSteps(p)
+            for s in steps:
+                label = f"{steps.label(index, len(passes))} {s.layer.section}/{s.describe()}"
+                step = Step(pass_name=s.name, layer=s.layer.section, params=s.params(), status="", reason="")
+                outcome = self._try(s, p if steps.searches else None, step, label, machine)
+                steps.record(s, step.status, outcome, step.reason)
+                self._record(step)
+            if (found := steps.conclusion(self.recipe.policy.guards_for(p.layer))) is not None:  # a search's answer
+                self._trace.searches.append(found)
+                self._trace.steps[-1].reason += f" Search result: {found['answer']} ({found['summary']})."
+                self.progress(f"[{index}/{len(passes)}] {p.layer.section}/{p.name}: {found['answer']}")
+                self._save()
 
+        self._confirm_final(machine)  # final vs baseline, measured again (pipeline/confirm.py)
         self._trace.finished = True
         self._save()
         if isinstance(self.progress, Progress):
@@ -132,28 +179,50 @@ class Pipeline:
         return Result(plan=self._plan, trace=self._trace, recipe=self._trace.to_recipe(), out_dir=self.out_dir)
 
     def _baseline(self, machine: Machine) -> None:
+        """The baseline: from the journal when resuming, else measured (:meth:`_measure_baseline`)
+        within ``policy.timeout_s``. A failing baseline ends the run: the failure is recorded in
+        trace.json (finished) and :class:`~fractal_opt.errors.RunFailed` says why."""
+        if not self._restore_baseline(machine):
+            try:
+                run_with_deadline(lambda: self._measure_baseline(machine), self.recipe.policy.timeout_s, name="baseline")
+            except (Exception, SystemExit, StepTimeout) as e:  # noqa: BLE001 - every failure is recorded, then ends the run
+                self._fail_baseline(e)
+            self._journal_baseline()
+        self._finish()
+        note_targets(self._trace, self._trace.baseline)  # the gap to each target (issue 15)
+        self._save()
+
+    def _measure_baseline(self, machine: Machine) -> None:
         """Build and measure the recipe's base plan twice (A/A) to calibrate this machine's noise."""
-        recipe, say, trace = self.recipe, self.progress, self._trace
+        recipe, say, trace = self.recipe, self._say, self._trace
         plan = self._plan = recipe.base_plan()
         limits = self.limits
+        self._enter("baseline: machine ceilings")
         if limits is None:
             say("probing the machine's bandwidth and matmul ceilings (cached per machine)")
-            limits = probe_limits(resolve_device(plan.hardware.device, machine), machine=machine)
+            limits = probe_limits(resolve_device(plan.hardware.device, machine), machine=machine, shape=read_shape(plan.source))
         trace.machine["limits"] = limits.to_dict()
-        self._steps = StepMeasurer(machine=machine, workload=recipe.workload, requests=self._requests, min_effect=recipe.policy.min_effect,
-                                   limits=limits, progress=say, build=self.build)
+        self._limits = limits
+        self._steps = self._new_measurer(machine, limits)
+        self._enter("baseline: pre-flight")
         refused, _ = self._steps.preflight(plan)
         if refused:
             raise EngineError(f"the baseline cannot run on this machine: {refused}")
         say(f"baseline: loading {recipe.model}")
+        self._enter("baseline: build")
         engine, timings = self._build(plan, machine)
         # The reference is scored before any measurement, so the memory it holds is part of every
         # measurement alike (baseline included) and cannot masquerade as a pass's memory cost.
         say("baseline: scoring the reference text")
+        self._enter("baseline: reference")
         self._reference = build_reference(engine, {}, recipe.quality)
-        current, trace.calibration = self._steps.calibrate(engine, "baseline (A/A calibration, interleaved)")
+        watch = sorted({recipe.policy.objective_for(p.layer) for p in recipe.passes} or {"decode_tokens_per_s"})  # what the verdicts will judge
+        self._enter("baseline: measure")
+        current, trace.calibration = self._steps.calibrate(engine, "baseline (A/A calibration, interleaved)", watch=watch)
         self._reference.outputs = current.outputs
+        self._enter("baseline: quality")
         quality = self._quality(engine, current, "baseline")
+        checkpoint()  # a baseline past its deadline leaves the trace alone (the runner records the timeout)
         trace.baseline = Step(
             pass_name="baseline", layer="-", params={}, status="baseline",
             reason="plain transformers: " + _plan_text(plan),
@@ -165,43 +234,81 @@ class Pipeline:
         # saving while the previous plan's model is resident for interleaved measurement.
         self._weight_mb = trace.baseline.metrics["weight_mb"] = round(trace.baseline.census["weight_bytes"] / 2**20, 1)
         self._current, self._current_quality = current, quality
-        self._finish()
-        self._save()
 
     def _try(self, p: Pass, ramp: Pass | None, step: Step, label: str, machine: Machine) -> str:
-        """One pass: skip it, or build, measure and judge it; returns the verdict's outcome ("" unjudged)."""
-        if (reason := skip_reason(p, self._plan, machine, refuse=self.refuse)) is not None:
-            self._skip(step, label, reason)
-            return ""
+        """One step: from the journal when resuming, else attempted (:meth:`_attempt`) within
+        ``policy.timeout_s`` (:mod:`.deadline`). Whatever the step raises ends it ``failed`` and the
+        run goes on. Returns the verdict's outcome ("" when the step was not judged)."""
+        if (outcome := self._from_journal(step, label)) is None:
+            kept_state = (self._plan, self._current, self._current_quality, self._weight_mb)
+            outcome = ""
+            try:
+                outcome = run_with_deadline(lambda: self._attempt(p, ramp, step, label, machine), self.recipe.policy.timeout_s, name=f"step {label}")
+            except WorkerAbandoned as e:
+                # The worker may still run: the state it could touch goes back to before the step, and
+                # the next step gets a fresh measurer (the old one's engines are the worker's now).
+                self._plan, self._current, self._current_quality, self._weight_mb = kept_state
+                self._steps = self._new_measurer(machine, self._limits, like=self._steps)
+                self._fail(step, label, e)
+            except (Exception, SystemExit, StepTimeout) as e:  # noqa: BLE001 - raised past _attempt's own handler (in its clean-up)
+                if step.status != "failed":
+                    self._fail(step, label, e)
+        self._outcome = outcome
+        return outcome
+
+    def _attempt(self, p: Pass, ramp: Pass | None, step: Step, label: str, machine: Machine) -> str:
+        """Skip the step, or build, measure and judge it. Every stage (check, apply, pre-flight,
+        build, measure, quality, judge) is inside the failure handling: a failed step is recorded,
+        its candidate released as a rollback would, and the run goes on."""
         assert self._steps is not None and self._current is not None
-        candidate = p.apply(self._plan).with_applied(p.name)
-        refused, numbers = self._steps.preflight(candidate)
-        if refused:
-            step.metrics = {"preflight": numbers}
-            self._skip(step, label, refused)
-            return ""
+        engine: Engine | None = None
+        mode = ""
         try:
+            self._enter("check")
+            if (reason := skip_reason(p, self._plan, machine, refuse=self.refuse)) is not None:
+                checkpoint()  # past its deadline, a worker writes nothing (here and below)
+                self._skip(step, label, reason)
+                return ""
+            self._enter("apply")
+            candidate = p.apply(self._plan).with_applied(p.name)
+            self._enter("pre-flight")
+            refused, numbers = self._steps.preflight(candidate)
+            if refused:
+                checkpoint()
+                step.metrics = {"preflight": numbers}
+                self._skip(step, label, refused)
+                return ""
+            self._enter("reference")
+            self._rescore_reference(machine)  # resuming: once, before the first step measured here
+            self._enter("build")
             mode = self._steps.before_build(candidate, self._plan)
             self.progress(f"{label}: building")
             engine, timings = self._build(candidate, machine)
+            checkpoint()
             step.timings.update(timings)
             step.census = engine.census()
+            self._enter("measure")
             t0 = time.perf_counter()
             cmp = self._steps.compare(engine, self._current, mode=mode, objective=self.recipe.policy.objective_for(p.layer), label=label)
+            checkpoint()  # a worker past its deadline leaves the kept state alone
             self._current = cmp.before
             step.timings["warmup_s"] = round(cmp.after.warmup_s, 2)
             step.timings["measure_s"] = round(time.perf_counter() - t0, 2)
+            self._enter("quality")
             quality = self._quality(engine, cmp.after, label)
             if "path_agreement" in self._guarded(p) and not candidate.application.do_sample:
                 # Path equivalence: with greedy decoding a serving path must not change a token.
                 quality.update(path_agreement=agreement_between(self._current.outputs, cmp.after.outputs))
-        except (Exception, MemoryError) as e:  # a failing pass is recorded and rolled back; the run goes on
-            step.status = "failed"
-            step.reason = f"{type(e).__name__}: {e}".strip()[:500]
-            step.timings["traceback"] = traceback.format_exc(limit=3)[-2000:]  # type: ignore[assignment]
-            self.progress(f"{label}: failed ({step.reason[:120]})")
+            self._enter("judge")
+            return self._judge(p, ramp, step, label, candidate, engine, cmp, quality, mode)
+        except (Exception, SystemExit, StepTimeout) as e:  # noqa: BLE001 - a failing step is recorded and rolled back; the run goes on
+            if abandoned():
+                return ""  # the runner recorded this step's timeout and went on: touch nothing
+            if self._stage == "check":
+                self._stage = _gate_stage(e, p)
+            self._fail(step, label, e)
+            self._release(engine, mode)
             return ""
-        return self._judge(p, ramp, step, label, candidate, engine, cmp, quality, mode)
 
     def _judge(self, p: Pass, ramp: Pass | None, step: Step, label: str, candidate: Plan, engine: Engine, cmp: Comparison,
                quality: dict[str, Any], mode: str) -> str:
@@ -218,8 +325,10 @@ class Pipeline:
             changes = {**changes, "weight_mb": step.metrics["weight_mb"] / self._weight_mb - 1}
         baseline_metrics = self._trace.baseline.metrics
         baseline_values = {**{k: v for k, v in baseline_metrics.items() if k != "quality"}, **baseline_metrics["quality"]}
-        verdict = self.recipe.policy.judge(p.layer, before_values, after_values, changes, cmp.bands, baseline=baseline_values)
+        verdict = self.recipe.policy.judge(p.layer, before_values, after_values, changes, cmp.bands, baseline=baseline_values,
+                                           intervals=cmp.intervals)
         step.changes, step.bands = verdict.changes, verdict.bands
+        step.metrics["guards"] = verdict.guards  # the guards in force, for the report (issue 16)
         step.plan = candidate.to_dict()
         kept, step.reason = verdict.kept, verdict.reason
         if ramp is not None and (note := ramp.holds(verdict.outcome)):
@@ -228,11 +337,199 @@ class Pipeline:
         if "compile_s" in step.timings:  # a start-up cost the numbers exclude: shown where the verdict is read
             step.reason += f" Start-up: compiling took {step.timings['compile_s']:.1f} s (excluded from the numbers above)."
         self.progress(f"{label}: {step.status.replace('_', ' ')} ({step.reason[:150]})")
+        checkpoint()  # a worker past its deadline leaves the engines and the kept state alone
         self._steps.after_verdict(kept, engine, candidate if kept else self._plan, mode)
         if kept:
             self._plan, self._current, self._current_quality = candidate, after, quality
             self._weight_mb = step.metrics["weight_mb"]
         return verdict.outcome
+
+    # ------------------------------------------------------------------ journal and resume
+    def _check_out(self) -> None:
+        """Refuse an output folder before anything loads: a file, a folder that cannot be written,
+        or one holding another run (unless resuming it or forced)."""
+        assert self.out_dir is not None
+        if self.resume and self.force:
+            raise RecipeError("resume and force exclude each other: --resume continues the run in the folder, --force starts a new one over it.")
+        check_writable(self.out_dir)
+        held = [name for name in (JOURNAL, *OUTPUTS) if (self.out_dir / name).exists()]
+        if not held or self.force:
+            return
+        if not self.resume:
+            raise ResumeError(f"--out {str(self.out_dir)!r} holds another run ({', '.join(held)}): use --resume to continue it, or --force to "
+                              "replace it (in Python: resume=True / force=True), or give another --out. Nothing was changed.")
+        if JOURNAL not in held:
+            raise ResumeError(f"cannot resume {str(self.out_dir)!r}: it holds {', '.join(held)} but no {JOURNAL} (a run written before "
+                              "journals, or by hand): use --force to replace it, or give another --out. Nothing was changed.")
+
+    def _open_journal(self, machine: Machine) -> None:
+        """Start the journal, or (resuming) read it back after checking its fingerprint, then mark
+        the run in progress: from here trace.json says ``finished: false``, before any model loads."""
+        self._journal, self._journaled_baseline, self._replay = None, None, {}
+        if self.out_dir is None:
+            return
+        journal = Journal(self.out_dir)
+        fp = fingerprint(self.recipe, machine)
+        if self.resume and journal.exists():
+            records = journal.resume(fp)  # ResumeError when the inputs changed: nothing written yet
+            self._journaled_baseline = next((r for r in records if r.get("kind") == "baseline"), None)
+            if self._journaled_baseline is not None:
+                self._replay = {r["position"]: r for r in records if r.get("kind") == "step"}
+                done = f"{len(self._replay)} finished step{'' if len(self._replay) == 1 else 's'}"
+                self.progress(f"resuming {self.out_dir}: the baseline and {done} come from {JOURNAL}")
+            else:
+                self.progress(f"resuming {self.out_dir}: no step had finished there; starting from the baseline")
+        else:
+            if self.resume:
+                self.progress(f"nothing to resume in {self.out_dir}: starting a new run there")
+            journal.start(fp)
+        self._journal = journal
+        self._save()
+
+    def _journal_baseline(self) -> None:
+        """Append the measured baseline, with what a resumed run needs to go on without measuring it."""
+        if self._journal is None:
+            return
+        assert self._trace.baseline is not None and self._reference is not None
+        self._journal.append({"kind": "baseline", "step": self._trace.baseline.to_dict(), "calibration": self._trace.calibration,
+                              "limits": self._trace.machine.get("limits"), "reference_outputs": self._reference.outputs,
+                              "state": self._state_record()})
+
+    def _restore_baseline(self, machine: Machine) -> bool:
+        """Resuming: the baseline as the journal holds it (False when there is none to restore).
+        The reference logits are not journaled; they are scored again when a step first needs them."""
+        record = self._journaled_baseline
+        if record is None:
+            return False
+        trace = self._trace
+        trace.baseline = Step.from_dict(record["step"])
+        trace.baseline.timings["from_journal"] = True  # type: ignore[assignment]
+        trace.calibration = record["calibration"]
+        if record.get("limits"):
+            trace.machine["limits"] = record["limits"]
+            self._limits = MachineLimits(**record["limits"])
+        else:
+            self._limits = self.limits
+        self._steps = self._new_measurer(machine, self._limits)
+        self._reference, self._reference_outputs = None, record["reference_outputs"]
+        self._restore_state(record["state"])
+        self.progress("baseline: from the journal (measured by the earlier run)")
+        return True
+
+    def _rescore_reference(self, machine: Machine) -> None:
+        """Resuming: score the reference text again on the baseline plan, as the baseline did (the
+        same model and machine, which the fingerprint vouches for), with the baseline's outputs
+        from the journal. No-op when the reference is there already."""
+        if self._reference is not None or self._reference_outputs is None:
+            return
+        assert self._steps is not None
+        base = self.recipe.base_plan()
+        self.progress("resuming: scoring the reference text on the baseline plan again (quality probes compare with it)")
+        engine, _ = self._build(base, machine)
+        reference = build_reference(engine, {}, self.recipe.quality)
+        reference.outputs = self._reference_outputs
+        self._reference = reference
+        if base == self._plan and self._steps.previous is None:
+            self._steps.previous = engine  # the kept plan is still the baseline: its engine is the previous one
+        else:
+            engine.close()
+            runtimes.evict_except({self._plan.weights_key()})
+
+    def _from_journal(self, step: Step, label: str) -> str | None:
+        """Resuming: fill ``step`` from its journal record and restore the state after it; returns
+        the record's outcome, or None when the journal holds no more steps (this one runs)."""
+        position = len(self._trace.steps) + 1
+        record = self._replay.get(position)
+        if record is None:
+            self._replay.clear()  # from here every step is measured in this run
+            return None
+        if (record["step"]["pass"], record["step"]["params"]) != (step.pass_name, json.loads(json.dumps(step.params, default=str))):
+            raise ResumeError(f"cannot resume {str(self.out_dir)!r}: step {position} in its {JOURNAL} is {record['step']['pass']} "
+                              f"{record['step']['params']}, but this run's step {position} is {step.pass_name} {step.params} (the passes' "
+                              "schedule changed). Use --force to start a new run there.")
+        restored = Step.from_dict(record["step"])
+        for f in dataclasses.fields(Step):
+            setattr(step, f.name, getattr(restored, f.name))
+        step.timings["from_journal"] = True  # type: ignore[assignment]
+        step.reason += " (from the journal: measured by the earlier run)"
+        self._restore_state(record["state"])
+        self.progress(f"{label}: {step.status.replace('_', ' ')} (from the journal)")
+        return str(record.get("outcome", ""))
+
+    def _journal_step(self, step: Step) -> None:
+        """Append the step just recorded (a step restored from the journal is there already)."""
+        position, outcome, self._outcome = len(self._trace.steps), self._outcome, ""
+        if self._replay.pop(position, None) is not None or self._journal is None:
+            return
+        self._journal.append({"kind": "step", "position": position, "outcome": outcome, "step": step.to_dict(), "state": self._state_record()})
+
+    def _state_record(self) -> dict[str, Any]:
+        """What the runner goes on from after a step: the kept plan, its latest measurement
+        (every sample, so a resumed comparison is exact), its quality and weights, the measurer's memory."""
+        assert self._current is not None
+        measurer = {name: getattr(self._steps, name, None) for name in _MEASURER_STATE}
+        return {"plan": self._plan.to_dict(), "current": measurement_to_dict(self._current), "quality": self._current_quality,
+                "weight_mb": self._weight_mb, "measurer": measurer}
+
+    def _restore_state(self, state: dict[str, Any]) -> None:
+        self._plan = Plan.from_dict(state["plan"])
+        self._current = measurement_from_dict(state["current"])
+        self._current_quality = dict(state["quality"])
+        self._weight_mb = state["weight_mb"]
+        for name, value in (state.get("measurer") or {}).items():
+            if name in _MEASURER_STATE:
+                setattr(self._steps, name, value)
+
+    # ------------------------------------------------------------------ failures
+    def _fail(self, step: Step, label: str, e: BaseException) -> None:
+        """Record ``e`` as the step's failure: which stage, what was raised, the last frames."""
+        step.status = "failed"
+        step.reason = _failure_text(e, self._stage, self.recipe.policy.timeout_s)
+        step.timings["traceback"] = "".join(traceback.format_exception(e, limit=-4))[-2000:]  # type: ignore[assignment]
+        self.progress(f"{label}: failed ({step.reason[:120]})")
+
+    def _fail_baseline(self, e: BaseException) -> None:
+        """The baseline failed: record it (trace.json finished, the failure as the baseline step) and end the run."""
+        reason = _failure_text(e, self._stage or "baseline", self.recipe.policy.timeout_s)
+        self._trace.baseline = Step(pass_name="baseline", layer="-", params={}, status="failed", reason=reason,
+                                    timings={"traceback": "".join(traceback.format_exception(e, limit=-4))[-2000:]})  # type: ignore[dict-item]
+        self._trace.finished = True
+        self._save()
+        self.progress(f"baseline: failed ({reason[:120]})")
+        if isinstance(e, RecipeError | ModelSourceError):
+            raise e  # bad input keeps its own message and exit code
+        where = f" {self.out_dir / 'trace.json'} records it." if self.out_dir is not None else ""
+        raise RunFailed(f"the baseline failed, so no pass was tried: {reason}.{where}") from e
+
+    def _release(self, engine: Engine | None, mode: str) -> None:
+        """After a failed step: close its candidate as a rollback would (best effort: when this fails
+        too, the next step loads the kept plan again)."""
+        if engine is None or self._steps is None or engine is self._steps.previous:
+            return
+        try:
+            self._steps.after_verdict(False, engine, self._plan, mode)
+        except (Exception, StepTimeout):  # noqa: BLE001 - the step has failed already; this is clean-up
+            self._steps.previous = None
+
+    def _new_measurer(self, machine: Machine, limits: MachineLimits | None, *, like: StepMeasurer | None = None) -> StepMeasurer:
+        """A StepMeasurer for this run (``like``: carrying over another's calibration and memory)."""
+        recipe, say = self.recipe, self.progress
+        steps = StepMeasurer(machine=machine, workload=recipe.workload, requests=self._requests, min_effect=recipe.policy.min_effect,
+                             limits=limits, progress=self._say, build=self.build, wait_quiet_s=self.wait_quiet, reprobe=self.limits is None,
+                             note=say.done if isinstance(say, Progress) else say)  # note: a line that stays on a terminal
+        for name in _MEASURER_STATE if like is not None else ():
+            setattr(steps, name, getattr(like, name, None))
+        return steps
+
+    def _enter(self, stage: str) -> None:
+        """The step moves on to ``stage`` (named in its failure message); a step past its deadline stops here."""
+        checkpoint()
+        self._stage = stage
+
+    def _say(self, message: str) -> None:
+        """Progress from inside a step; also where a step past its deadline stops (:func:`.deadline.checkpoint`)."""
+        checkpoint()
+        self.progress(message)
 
     # ------------------------------------------------------------------ helpers
     def _build(self, plan: Plan, machine: Machine) -> tuple[Engine, dict[str, float]]:
@@ -257,6 +554,8 @@ class Pipeline:
         """Quality of the engine against the baseline. Model-level probes are recomputed only
         when the plan's numerics changed; the eval set and custom probes run on every step."""
         quality_cfg = self.recipe.quality
+        if self._reference is None and self._machine is not None:
+            self._rescore_reference(self._machine)  # resumed with every step from the journal (the final confirmation)
         key = engine.plan.numerics_key()
         if key not in self._model_probes:
             self.progress(f"{label}: KL / perplexity on the reference text")
@@ -266,7 +565,11 @@ class Pipeline:
             self.progress(f"{label}: eval set {quality_cfg.eval!r}")
             out.update(score(engine, self._eval_items, max_new_tokens=quality_cfg.eval_max_new_tokens))
         for name, probe in self._probes.items():
-            values = probe(engine)
+            try:
+                values = probe(engine)
+            except (Exception, SystemExit) as e:  # named here: the traceback alone points at the user's module
+                code = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
+                raise RuntimeError(f"custom probe {name!r} {code}") from e
             if not isinstance(values, dict):
                 raise TypeError(f"custom probe {name!r} must return a dict of named numbers, got {type(values).__name__}")
             out.update({f"{name}.{k}": float(v) for k, v in values.items()})
@@ -274,35 +577,56 @@ class Pipeline:
 
     def _record(self, step: Step) -> None:
         self._trace.steps.append(step)
+        self._journal_step(step)  # durable before the outputs show it
         self._finish()
+        note_targets(self._trace, step)  # what is left of each target after this step (issue 15)
         self._save()
 
     def _finish(self) -> None:
-        """The best plan so far against the baseline (``trace.final``)."""
+        """The best plan so far (``trace.final``, status ``provisional``): its last medians, and no
+        change against the baseline; that comes only from :meth:`_confirm_final`."""
         assert self._current is not None and self._trace.baseline is not None
-        baseline_metrics = self._trace.baseline.metrics
         now = _metrics(self._current, self._current_quality)
         now["weight_mb"] = self._weight_mb
-        vs = {}
-        for m in ("decode_tokens_per_s", "ttft_ms", "e2e_ms", "throughput_tokens_per_s", "weight_mb"):
-            b, a = baseline_metrics.get(m), now.get(m)
-            if b and a is not None:
-                vs[m] = round(a / b - 1, 4)
         kept = [f"{s.layer}/{s.pass_name}" for s in self._trace.steps if s.status == "kept"]
-        self._trace.final = {"plan": self._plan.to_dict(), "kept": kept, "metrics": now, "vs_baseline": vs}
+        self._trace.final = {"plan": self._plan.to_dict(), "kept": kept, "metrics": now, "status": "provisional", "vs_baseline": {}}
+
+    def _confirm_final(self, machine: Machine) -> None:
+        """After the last step: the final plan and the baseline measured again, interleaved, by the
+        rule of every step (:mod:`.confirm`); ``trace.final``'s final-vs-baseline numbers come only
+        from here. A final plan equal to the baseline is not measured; a failure is recorded."""
+        assert self._steps is not None and self._trace.baseline is not None
+        base = self.recipe.base_plan()
+        kept = [s for s in self._trace.steps if s.status == "kept"]
+        if not kept or confirm.same_plan(self._plan, base):
+            self._trace.final.update(confirm.unchanged())
+            return
+        objectives = [self.recipe.policy.objective_for(Layer.from_name(s.layer)) for s in kept]
+        self.progress("final: measuring the final plan against the baseline again, interleaved")
+        try:
+            fields = confirm.confirm(self._steps, baseline_plan=base, final_plan=self._plan, build=lambda plan: self._build(plan, machine)[0],
+                                     objectives=objectives, weight_mb=(self._trace.baseline.metrics.get("weight_mb"), self._weight_mb))
+        except (Exception, MemoryError) as e:  # the steps stand; only the final comparison is missing
+            fields = confirm.failed(e)
+            self.progress(f"final: the confirmation failed ({fields['confirmation']['error'][:120]})")
+        self._trace.final.update(fields)
 
     def _save(self) -> None:
         if self.out_dir is None:
             return
         recipe, trace = self.recipe, self._trace
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.out_dir / "trace.json", trace.to_json())
-        _atomic_write(self.out_dir / "report.md", trace.to_markdown())
         header = (
             f"# Tuned by fractal_opt from {recipe.name or recipe.model}: the kept passes only.\n"
             "# Load it in an app with fractal_opt.Engine.from_recipe(\"recipe.yaml\").\n"
         )
-        _atomic_write(self.out_dir / "recipe.yaml", dump_recipe(trace.to_recipe(), header=header))
+        # Each file whole after a kill at any moment: staged, fsynced, renamed (pipeline/outputs.py).
+        write_outputs(self.out_dir, {
+            "trace.json": trace.to_json(),
+            "report.md": trace.to_markdown(),
+            "report.html": trace.to_html(),  # issue 14: the same run as pictures
+            "recipe.yaml": dump_recipe(trace.to_recipe(), header=header),
+        })
 
 
 def _metrics(m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:
@@ -314,19 +638,43 @@ def _metrics(m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# What a StepMeasurer learns during a run that a resumed run must have too (journaled with each step).
+_MEASURER_STATE = ("calibration", "prompt_tokens", "previous_solo_peak_mb")
+
+
+def _gate_stage(e: BaseException, p: Pass) -> str:
+    """Which of the pass's methods raised inside the gate (:func:`.gate.skip_reason` calls
+    ``unavailable``, ``check`` and ``apply``, the last to see whether the pass changes anything)."""
+    methods = {getattr(type(p), name).__code__: name for name in ("unavailable", "check", "apply") if hasattr(getattr(type(p), name), "__code__")}
+    stage, tb = "check", e.__traceback__
+    while tb is not None:
+        stage = methods.get(tb.tb_frame.f_code, stage)
+        tb = tb.tb_next
+    return stage
+
+
+def _failure_text(e: BaseException, stage: str, timeout_s: float | None) -> str:
+    """A failed step's reason: ``timeout after ...`` or ``<stage>: <Error>: <message>``."""
+    if isinstance(e, StepTimeout):
+        return f"timeout after {timeout_s:g} s (policy.timeout_s), in {stage}: the step was stopped"[:500]
+    if isinstance(e, WorkerAbandoned):
+        return f"{e} (it was in {stage})"[:500]
+    if isinstance(e, SystemExit):
+        return f"{stage}: SystemExit({e.code!r}): a step cannot end the run"[:500]
+    return f"{stage}: {type(e).__name__}: {e}".strip()[:500]
+
+
 def _plan_text(plan: Plan) -> str:
     hw = plan.hardware
     return f"{hw.dtype}, {hw.attention} attention, {hw.threads or 'default'} threads, {plan.model.kv_cache} KV cache, {plan.scheduling.batching} serving"
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def optimize(recipe: Recipe | str | Path | dict, *, out: str | Path | None = None, progress: bool = True) -> Result:
+def optimize(recipe: Recipe | str | Path | dict, *, out: str | Path | None = None, progress: bool = True, stop_at_target: bool = False,
+             wait_quiet: float = 0.0, resume: bool = False, force: bool = False) -> Result:
     """Optimize the model a recipe names; write trace.json, report.md and recipe.yaml to ``out``.
+
+    ``resume=True`` continues the killed run in ``out`` from its journal; ``force=True`` replaces
+    the run there (without either, a folder holding a run is refused: :class:`~fractal_opt.errors.ResumeError`).
 
     Example:
         >>> import fractal_opt
@@ -334,4 +682,5 @@ def optimize(recipe: Recipe | str | Path | dict, *, out: str | Path | None = Non
         >>> result.plan.scheduling.batching                                              # doctest: +SKIP
         'static'
     """
-    return Pipeline(recipe, out_dir=out, progress=progress).run()
+    quiet_third_party()  # load bars and import-time warnings would bury the progress line (as in the CLI)
+    return Pipeline(recipe, out_dir=out, progress=progress, stop_at_target=stop_at_target, wait_quiet=wait_quiet, resume=resume, force=force).run()

@@ -205,13 +205,13 @@ def test_a_ramp_steps_up_while_levels_hold_and_keeps_the_last(fake_model):
 
 
 def test_a_ramp_stops_after_a_level_that_did_not_hold(fake_model):
-    """A level that makes throughput worse is rolled back and the ramp's next levels are skipped, saying why."""
+    """A level that makes throughput worse is measured again, fails on the second trip, and the
+    search bisects below it (3, worse too) instead of stepping up: the answer is the last level that held."""
     speed = {"scheduling.batching": {"static": 2.0}, "scheduling.max_concurrency": {2: 2.0, 4: 0.5}}
     result = _run(_ramp_recipe(fake_model), **RAMP_CLOCK, speed=speed)
-    _, two, four, eight = result.trace.steps
-    assert (two.status, four.status) == ("kept", "rolled_back"), (two.reason, four.reason)
-    assert eight.status == "skipped" and eight.reason == "concurrency ramp stopped: the previous level was rolled back (throughput got worse)"
-    assert result.plan.scheduling.max_concurrency == 2
+    levels = [(s.params["limit"], s.status) for s in result.trace.steps[1:]]
+    assert levels == [(2, "kept"), (4, "rolled_back"), (4, "rolled_back"), (3, "rolled_back"), (3, "rolled_back")], [s.reason for s in result.trace.steps]
+    assert result.plan.scheduling.max_concurrency == 2 and result.trace.searches[0]["value"] == 2
 
 
 def test_a_ramp_level_with_no_change_holds(fake_model):
