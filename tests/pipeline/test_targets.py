@@ -1,0 +1,148 @@
+"""Targets: validated in the recipe, the gap shown per step, --stop-at-target, the binding limit named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import small_recipe_dict
+
+from fractal_opt.errors import RecipeError
+from fractal_opt.measure.machine_limits import MachineLimits
+from fractal_opt.pipeline.runner import Pipeline
+from fractal_opt.pipeline.targets import binding_limit, gaps, parse_targets
+from fractal_opt.recipe import dump_recipe, load_recipe
+from fractal_opt.testing import FakeEngine, cpu_machine
+
+LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=12e9, copy_bandwidth_bytes_per_s=12e9, peak_flops={"float32": 1e11})
+# A Llama-shaped config, so the roofline has bytes to count (the fake engine never reads it).
+LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 512, "vocab_size": 512, "tie_word_embeddings": True, "max_position_embeddings": 4096}
+
+
+@pytest.fixture(scope="module")
+def fake_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fake-targets") / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
+    return path
+
+
+def _run(recipe, out=None, *, stop_at_target=False, **fake):
+    recipe = load_recipe(recipe, check_model=False)  # the fake model folder holds a config only
+    return Pipeline(recipe, out_dir=out, progress=False, machine=cpu_machine(), build=FakeEngine.factory(**fake), refuse=FakeEngine.refuse,
+                    limits=LIMITS, stop_at_target=stop_at_target).run()
+
+
+# ---------------------------------------------------------------------------- validation
+
+def test_unknown_metric_names_the_closest():
+    with pytest.raises(RecipeError, match=r"unknown metric 'decode_token_per_s'.*Did you mean 'decode_tokens_per_s'"):
+        load_recipe({"model": "org/some-model", "targets": {"decode_token_per_s": 30}})
+
+
+@pytest.mark.parametrize("value", [0, -3, float("inf"), float("nan"), "fast", True, None])
+def test_a_target_is_a_positive_finite_number(value):
+    with pytest.raises(RecipeError, match=r"targets\.ttft_ms_p90: got .*positive finite number"):
+        load_recipe({"model": "org/some-model", "targets": {"ttft_ms_p90": value}})
+
+
+def test_targets_must_be_a_mapping():
+    with pytest.raises(RecipeError, match="expected a mapping of metric -> number"):
+        load_recipe({"model": "org/some-model", "targets": [30]})
+
+
+def test_targets_survive_a_yaml_round_trip():
+    targets = {"decode_tokens_per_s": 30, "ttft_ms_p90": 800, "peak_memory_mb": 8000, "throughput_tokens_per_s": 200}
+    recipe = load_recipe({"model": "org/some-model", "targets": targets})
+    again = load_recipe(dump_recipe(recipe))
+    assert again.targets == recipe.targets
+    assert again.targets.to_dict() == {k: float(v) for k, v in targets.items()}
+
+
+def test_direction_per_metric():
+    """Higher is better for tokens/s, lower for latency and memory: the gap reads both ways."""
+    t = parse_targets({"decode_tokens_per_s": 30, "ttft_ms_p90": 800, "peak_memory_mb": 8000})
+    g = gaps(t, {"decode_tokens_per_s": 7.9, "ttft_ms_p90": 1600.0, "peak_memory_mb": 4000.0})
+    assert g["decode_tokens_per_s"]["text"] == "7.9 vs 30: 3.8x short" and not g["decode_tokens_per_s"]["met"]
+    assert g["ttft_ms_p90"]["text"] == "1600 vs 800: 2.0x over" and not g["ttft_ms_p90"]["met"]
+    assert g["peak_memory_mb"]["met"] and g["peak_memory_mb"]["ratio"] == 2.0
+
+
+def test_unmeasured_metric_is_not_met():
+    g = gaps(parse_targets({"ttft_ms_p90": 800}), {"decode_tokens_per_s": 10})
+    assert not g["ttft_ms_p90"]["met"] and "not measured" in g["ttft_ms_p90"]["text"]
+
+
+# ---------------------------------------------------------------------------- the binding limit
+
+def test_bandwidth_binds_with_numbers():
+    """30 tokens/s of a plan that reads 0.53 GB per step needs 16 GB/s; a 12 GB/s machine cannot give it."""
+    metrics = {"decode_tokens_per_s": 20.0, "roofline": {"bytes_per_decode_step": 0.533e9, "bytes_per_token": 0.533e9, "bandwidth_fraction": 0.9, "batch": 1}}
+    text = binding_limit("decode_tokens_per_s", 30, metrics, LIMITS.to_dict(), dtype="float32")
+    assert "30 tokens/s needs 16.0 GB/s" in text and "this machine gives 12.0 GB/s" in text
+    assert "fewer bytes per token" in text and "int8" in text
+
+
+def test_overhead_binds_when_the_bytes_allow_it():
+    metrics = {"decode_tokens_per_s": 20.0, "roofline": {"bytes_per_decode_step": 0.1e9, "bandwidth_fraction": 0.17}}
+    text = binding_limit("decode_tokens_per_s", 30, metrics, LIMITS.to_dict())
+    assert "needs 3.0 GB/s" in text and "overhead binds" in text and "17% of it used" in text
+
+
+def test_compute_binds_a_ttft_target():
+    metrics = {"ttft_ms_p90": 900.0, "roofline": {"prefill_flops": 50e9, "mean_context_tokens": 200}}
+    text = binding_limit("ttft_ms_p90", 300, metrics, LIMITS.to_dict())
+    assert "500 ms at best" in text and "over the 300 ms target" in text
+
+
+# ---------------------------------------------------------------------------- in a run
+
+def test_gap_per_step_and_final(fake_model, tmp_path):
+    """The baseline shows the gap, each measured step what is left, the report which were met and why not."""
+    recipe = small_recipe_dict(fake_model, max_new_tokens=8, passes={"hardware": [{"dtype": {"dtype": "bfloat16"}}]})
+    recipe["targets"] = {"decode_tokens_per_s": 1500, "throughput_tokens_per_s": 1e7}
+    result = _run(recipe, tmp_path, speed={"hardware.dtype": {"bfloat16": 2.0}})
+    base = result.trace.baseline.metrics["targets"]
+    assert not base["decode_tokens_per_s"]["met"] and "short" in base["decode_tokens_per_s"]["text"]
+    (step,) = result.trace.steps
+    assert step.status == "kept", step.reason
+    assert step.metrics["targets"]["decode_tokens_per_s"]["met"]
+    final = result.trace.final["targets"]
+    assert final["decode_tokens_per_s"]["met"] and not final["throughput_tokens_per_s"]["met"]
+    # The throughput target is out of reach: the binding limit is named with numbers.
+    binding = final["throughput_tokens_per_s"]["binding"]
+    assert "GB/s" in binding and "this machine gives 12.0 GB/s" in binding
+    report = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "Targets met: decode_tokens_per_s; not met: throughput_tokens_per_s." in report
+    assert "| baseline | baseline |" in report
+    assert "Targets met" in result.trace.to_text()
+    saved = json.loads((tmp_path / "trace.json").read_text(encoding="utf-8"))
+    assert saved["final"]["targets"]["decode_tokens_per_s"]["met"]
+
+
+def test_stop_at_target_skips_the_rest(fake_model):
+    """Once every target is met, the remaining steps are recorded as skipped with that reason."""
+    recipe = small_recipe_dict(fake_model, max_new_tokens=8, policy={"guards": {"ttft_ms": None}},
+                               passes={"hardware": [{"dtype": {"dtype": "bfloat16"}}], "application": [{"max_new_tokens": {"limit": 4}}]})
+    recipe["targets"] = {"decode_tokens_per_s": 1500}
+    build = {"speed": {"hardware.dtype": {"bfloat16": 2.0}}}
+    stopped = _run(recipe, stop_at_target=True, **build)
+    assert [s.status for s in stopped.trace.steps] == ["kept", "skipped"]
+    assert stopped.trace.steps[1].reason.startswith("stop-at-target: every target is met (decode_tokens_per_s")
+    # Without the flag the same run goes on to the next pass.
+    full = _run(recipe, **build)
+    assert full.trace.steps[1].status != "skipped"
+
+
+def test_stop_at_target_does_not_stop_an_unmet_run(fake_model):
+    recipe = small_recipe_dict(fake_model, max_new_tokens=8, passes={"hardware": [{"dtype": {"dtype": "bfloat16"}}]})
+    recipe["targets"] = {"decode_tokens_per_s": 1e6}
+    result = _run(recipe, stop_at_target=True, speed={"hardware.dtype": {"bfloat16": 2.0}})
+    assert result.trace.steps[0].status == "kept"
+    assert "fewer bytes per token" in result.trace.final["targets"]["decode_tokens_per_s"]["binding"]
+
+
+def test_no_targets_no_lines(fake_model):
+    result = _run(small_recipe_dict(fake_model, passes={}))
+    assert "targets" not in result.trace.final and "Targets" not in result.trace.to_markdown()
