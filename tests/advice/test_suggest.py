@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from fractal_opt.advice.suggest import parse_target_arg, suggest
 from fractal_opt.errors import RecipeError
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.recipe import load_recipe
-from fractal_opt.testing import FakeEngine, cpu_machine
+from fractal_opt.testing import LLAMA_SHAPE, FakeEngine, cpu_machine, fake_model_folder
 
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
-LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 512, "vocab_size": 512, "tie_word_embeddings": True}
+LLAMA = LLAMA_SHAPE
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("suggest") / "model"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
-    return path
+    return fake_model_folder(tmp_path_factory.mktemp("suggest") / "model", LLAMA)
 
 
 def _suggest(model_dir, *, machine=None, **fake):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import struct
 import sys
 import threading
 import time
@@ -31,6 +30,7 @@ from fractal_opt.plan import Plan
 from fractal_opt.policy import Policy
 from fractal_opt.recipe import load_recipe
 from fractal_opt.testing import FakeEngine, cpu_machine
+from fractal_opt.testing import fake_model_folder as fake_model
 
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
 TIMEOUT_S = 6.0  # policy.timeout_s of the fault run: far above a healthy fake step, even on a busy machine
@@ -128,13 +128,6 @@ class JudgeRaises(Policy):
         return super().judge(layer, *args, **kwargs)
 
 
-def fake_model(path: Path) -> Path:
-    path.mkdir(parents=True)
-    (path / "config.json").write_text('{"model_type": "fake"}', encoding="utf-8")
-    header = b'{"__metadata__": {}}'
-    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    (path / "tokenizer.json").write_text("{}", encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import multiprocessing
 import os
 import random
 import signal
-import struct
 import time
 from pathlib import Path
 
@@ -25,20 +24,11 @@ from fractal_opt.machine import Machine
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.pipeline.journal import JOURNAL, Journal, differences, fingerprint
 from fractal_opt.recipe import load_recipe
+from fractal_opt.testing import fake_model_folder as fake_model
 
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
 # The step fields that hold what was measured and decided: a resumed step must carry the journal's exactly.
 MEASURED = ("status", "metrics", "changes", "bands", "plan", "census")
-
-
-def fake_model(path: Path) -> Path:
-    """A model folder the recipe checks accept (config, a safetensors header, a tokenizer); the fake engine reads none of it."""
-    path.mkdir(parents=True)
-    (path / "config.json").write_text('{"model_type": "fake"}', encoding="utf-8")
-    header = b'{"__metadata__": {}}'
-    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    (path / "tokenizer.json").write_text("{}", encoding="utf-8")
-    return path
 
 
 def recipe_for(model: Path) -> dict:

@@ -12,20 +12,15 @@ from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.pipeline.runner import Pipeline
 from fractal_opt.pipeline.targets import binding_limit, gaps, parse_targets
 from fractal_opt.recipe import dump_recipe, load_recipe
-from fractal_opt.testing import FakeEngine, cpu_machine
+from fractal_opt.testing import LLAMA_SHAPE, FakeEngine, cpu_machine, fake_model_folder
 
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=12e9, copy_bandwidth_bytes_per_s=12e9, peak_flops={"float32": 1e11})
-# A Llama-shaped config, so the roofline has bytes to count (the fake engine never reads it).
-LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 512, "vocab_size": 512, "tie_word_embeddings": True, "max_position_embeddings": 4096}
+LLAMA = LLAMA_SHAPE
 
 
 @pytest.fixture(scope="module")
 def fake_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("fake-targets") / "model"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
-    return path
+    return fake_model_folder(tmp_path_factory.mktemp("fake-targets") / "model", LLAMA)
 
 
 def _run(recipe, out=None, *, stop_at_target=False, **fake):
