@@ -84,6 +84,20 @@ def test_run_writes_results(tiny_dir, small_recipe, tmp_path, capsys):
     assert "baseline" not in captured.err and "measuring" not in captured.err, "--quiet still printed the progress line"
 
 
+def test_run_json_prints_a_summary_that_matches_the_trace(tiny_dir, small_recipe, tmp_path, capsys):
+    """`fractal-opt run --json` prints one JSON object: each step's verdict as trace.json has it, and the files written."""
+    recipe = small_recipe(tiny_dir, limit=2, max_new_tokens=4, repeats=1, warmup=0, passes={"application": [{"max_new_tokens": {"limit": 2}}]})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out), "--quiet", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    trace = json.loads((out / "trace.json").read_text())
+    assert [(s["pass"], s["status"], s["reason"]) for s in summary["steps"]] == [(s["pass"], s["status"], s["reason"]) for s in trace["steps"]]
+    assert summary["final"]["status"] == trace["final"]["status"]
+    assert str(out / "trace.json") in summary["files"] and summary["finished"] is True
+
+
 def test_version_and_exit_codes_in_help(capsys):
     """`--version` prints the version and exits 0; `--help` documents the exit codes 0 / 1 / 2 / 130."""
     import fractal_opt

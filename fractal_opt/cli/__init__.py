@@ -1,11 +1,17 @@
 """The ``fractal-opt`` command: one module per subcommand, each with ``add(subparsers)``.
 
-    fractal-opt run RECIPE [--out DIR] [--quiet]   optimize; write trace.json, report.md, recipe.yaml
+    fractal-opt run RECIPE [--out DIR] [--resume|--force]   optimize; write trace.json, report.md/html, recipe.yaml
     fractal-opt check RECIPE... [--json]           validate recipes without loading any weights (every problem)
     fractal-opt passes [--json]                    list every pass by layer, and whether it can run here
     fractal-opt schema                             the JSON Schema of recipes (editors, pre-commit)
     fractal-opt generate RECIPE PROMPT             answer one prompt with a (tuned) recipe's deployment
     fractal-opt budget MODEL [--context N] ...     memory and decode-ceiling budget from a model's config
+    fractal-opt doctor [RECIPE]                    the troubleshooting checklist as checks
+    fractal-opt suggest MODEL                      short baseline -> bottleneck -> a commented recipe
+    fractal-opt bisect RUN_DIR                     which kept pass makes the tuned plan slower
+    fractal-opt compare A B [--measure]            two runs or recipes side by side
+    fractal-opt serve RECIPE_OR_RUN_DIR            an OpenAI-compatible endpoint on the tuned plan
+    fractal-opt export RUN_DIR --to TARGET         the plan as another server's launch settings
 
 Exit codes (EXIT_CODES; docs/cli.md): 0 success, 1 the run failed, 2 invalid input (the message
 says what and how to fix it), 130 interrupted (the steps finished so far are kept). ``main``
@@ -19,9 +25,7 @@ import sys
 
 from ..errors import FractalOptError, RecipeError
 from ..quiet import quiet_third_party
-from . import budget, check, generate, passes, run, schema
-from . import bisect, compare, doctor, suggest  # issue 15: advice commands
-from . import export, serve  # issue 12: serve and export the tuned plan
+from . import bisect, budget, check, compare, doctor, export, generate, passes, run, schema, serve, suggest
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
 

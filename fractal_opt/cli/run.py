@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+from typing import Any
 
 
 def add(sub) -> None:
@@ -10,6 +13,7 @@ def add(sub) -> None:
     p.add_argument("recipe", help="path to a YAML recipe")
     p.add_argument("--out", default="fractal-out", help="output folder (default: ./fractal-out)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--json", action="store_true", help="print a JSON summary (the final plan, every step's verdict, the files) instead of the table")
     again = p.add_mutually_exclusive_group()  # a folder holding a run is refused without one of these
     again.add_argument("--resume", action="store_true",
                        help="continue the run in --out from its journal: finished steps are not measured again (refused if the recipe, model or machine changed)")
@@ -32,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"fractal-opt: this recipe imports and runs: {spec}", file=sys.stderr)
     result = optimize(args.recipe, out=args.out, progress=not args.quiet, stop_at_target=args.stop_at_target, wait_quiet=args.wait_quiet,
                       resume=args.resume, force=args.force)
+    if args.json:
+        print(json.dumps(_summary(result.trace, args.out), indent=2, allow_nan=False, default=str))
+        return 0
     print(result.trace.to_text())
     print()
     if warning := busy_warning(result.trace.calibration):  # the A/A band could not resolve min_effect
@@ -40,3 +47,15 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     print(f"Wrote {args.out}/trace.json, {args.out}/report.md, {args.out}/recipe.yaml")
     return 0
+
+
+def _summary(trace, out: str) -> dict[str, Any]:
+    """What a script needs from a finished run: the final confirmation, each step's verdict, the files."""
+    final = trace.final or {}
+    return {
+        "finished": trace.finished,
+        "final": {k: final.get(k) for k in ("status", "kept", "vs_baseline", "confirmation") if k in final},
+        "steps": [{"pass": s.pass_name, "layer": s.layer, "params": s.params, "status": s.status, "reason": s.reason} for s in trace.steps],
+        "calibration": {k: v for k, v in (trace.calibration or {}).items() if k in ("busy", "resolves", "resolution", "rounds", "min_effect")},
+        "files": sorted(str(p) for p in Path(out).iterdir() if p.is_file()),
+    }
