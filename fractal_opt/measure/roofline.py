@@ -49,9 +49,9 @@ DTYPE_BITS: dict[str, int] = {
 KV_QUANT_GROUP = 64
 
 # Label thresholds (fractions of a ceiling). A step at >= 50% of the bandwidth ceiling in decode is
-# limited by memory traffic (gpt-fast reaches 60-80% on GPUs; HF eager decode on a CPU reaches
-# 20-40%, see ../shared/research/cpu-passes.md), so half is the line between "the bytes decide"
-# and "something else (Python, launches, dequantization) decides".
+# limited by memory traffic: the bytes decide, and fewer bytes per token is the fix; well below
+# half, something else (Python, kernel launches, dequantization) decides. A rule of thumb, not a
+# measurement: the label is advice, the verdicts never read it.
 BOUND_FRACTION = 0.5
 # A measured rate cannot exceed the machine's ceiling: a share above this means the probe
 # under-measured the ceiling (taken under load, or a kernel other than the model's), not that
