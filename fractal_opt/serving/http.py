@@ -5,8 +5,8 @@ queue, deadlines, cancellation, batching mode and response cache are the ones th
 The HTTP layer only translates:
 
 - ``POST /v1/chat/completions`` and ``/v1/completions``, streamed (SSE) or not; per request
-  ``max_tokens``, ``stop``, ``stream``; ``temperature`` / ``top_p`` / ``seed`` as far as the
-  plan's decoding honours them (see :mod:`.openai_requests`);
+  ``max_tokens``, ``stop``, ``stream``, ``temperature`` / ``top_p`` / ``seed`` (omitted: the
+  plan's; see :mod:`.openai_requests` and :mod:`.sampling`);
 - ``GET /v1/models``, ``GET /health`` (no key needed: load balancers probe it), ``GET /metrics``
   (Prometheus text, :mod:`.http_metrics`).
 
@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import RecipeError, RequestRejected
 from .http_metrics import ServeMetrics
 from .openai_requests import BadRequest, Parsed, parse_chat, parse_completion
+from .sampling import SamplingError
 
 __all__ = ["create_app"]
 
@@ -58,7 +59,7 @@ def create_app(engine: Any, *, model_name: str, api_key: str | None = None, seed
         engine: a built Engine (``Engine.from_recipe(...)``).
         model_name: the id ``/v1/models`` lists and responses carry.
         api_key: when set, ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <api_key>``.
-        seed: the sampling seed of the server (sampling plans).
+        seed: the server's sampling seed, for requests that sample and send no ``seed``.
     """
     server = engine.server(seed=seed)
     metrics = ServeMetrics(server)
@@ -135,12 +136,16 @@ def create_app(engine: Any, *, model_name: str, api_key: str | None = None, seed
             metrics.refused(endpoint, "bad_request")
             return error(400, f"the request body is not valid JSON: {e}", param="body")
         try:
-            parsed = (parse_chat if endpoint == "chat.completions" else parse_completion)(body, plan, seed=seed)
+            parsed = (parse_chat if endpoint == "chat.completions" else parse_completion)(body)
         except BadRequest as e:
             metrics.refused(endpoint, "bad_request")
             return error(400, str(e), param=e.param)
         try:
-            ticket = await asyncio.to_thread(server.submit, parsed.messages, max_new_tokens=parsed.max_tokens, stop=parsed.stop)
+            ticket = await asyncio.to_thread(server.submit, parsed.messages, max_new_tokens=parsed.max_tokens, stop=parsed.stop,
+                                             temperature=parsed.temperature, top_p=parsed.top_p, seed=parsed.seed)
+        except SamplingError as e:  # sampling this scheduler cannot honour per request
+            metrics.refused(endpoint, "bad_request")
+            return error(400, str(e), param=e.param)
         except RecipeError as e:
             metrics.refused(endpoint, "bad_request")
             return error(400, str(e), param="messages")

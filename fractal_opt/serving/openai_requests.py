@@ -1,18 +1,17 @@
-"""OpenAI request bodies -> what the request server takes, checked against the plan being served.
+"""OpenAI request bodies -> what the request server takes.
 
 Pure (no web framework), so the rules are tested without a socket. Every refusal is a
 :class:`BadRequest` naming the field (``param``), the value and what is allowed; the HTTP layer
 turns it into a 400 with OpenAI's error shape.
 
-Validation is written here rather than with pydantic models because half of it depends on the
-plan: a per-request ``temperature`` is checked against the decoding the plan was tuned and
-measured with, and the message has to say which plan field decides.
+Validation is written here rather than with pydantic models so each message can say what is
+allowed in the words of this server (one prompt, text only, n 1).
 
 Per request: ``messages`` / ``prompt``, ``max_tokens`` (``max_completion_tokens``), ``stop``,
 ``stream`` (+ ``stream_options.include_usage``), ``temperature``, ``top_p``, ``seed``; omitted
-fields take the plan's values. fractal_opt's servers decode with the plan's sampling settings
-(they are per server, not per request), so a ``temperature`` / ``top_p`` / ``seed`` that would
-change the decoding is refused with that reason instead of being silently ignored.
+fields take the plan's values (and the server's seed). Temperature 0 is greedy; above 0 samples,
+also on a greedy plan (:mod:`.sampling`). A scheduler that cannot honour a request's own sampling
+(transformers' continuous batching) refuses it at ``Server.submit``, naming the field.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import closest
+from .sampling import SamplingError, check
 
 __all__ = ["BadRequest", "Parsed", "parse_chat", "parse_completion"]
 
@@ -48,10 +48,13 @@ class Parsed:
     stream: bool
     include_usage: bool
     model: str | None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
 
 
-def parse_chat(body: Any, plan: Any, *, seed: int) -> Parsed:
-    """A ``/v1/chat/completions`` body, checked (``seed``: the server's sampling seed)."""
+def parse_chat(body: Any) -> Parsed:
+    """A ``/v1/chat/completions`` body, checked."""
     body = _mapping(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -64,10 +67,10 @@ def parse_chat(body: Any, plan: Any, *, seed: int) -> Parsed:
         if role not in ROLES:
             raise BadRequest(f"messages[{i}].role", f"messages[{i}].role: got {_show(role)}, expected one of {list(ROLES)}.{closest(str(role), ROLES)}")
         out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), f"messages[{i}].content")})
-    return _common(body, plan, out, seed=seed)
+    return _common(body, out)
 
 
-def parse_completion(body: Any, plan: Any, *, seed: int) -> Parsed:
+def parse_completion(body: Any) -> Parsed:
     """A ``/v1/completions`` body. The prompt is served as one user message, through the plan's
     chat template, because that is the request the plan was measured on."""
     body = _mapping(body)
@@ -81,10 +84,10 @@ def parse_completion(body: Any, plan: Any, *, seed: int) -> Parsed:
     for name, asked in unsupported.items():
         if asked:
             raise BadRequest(name, f"'{name}' is not supported by this server (got {_show(body.get(name))}); omit it.")
-    return _common(body, plan, [{"role": "user", "content": prompt}], seed=seed)
+    return _common(body, [{"role": "user", "content": prompt}])
 
 
-def _common(body: Mapping[str, Any], plan: Any, messages: list[dict[str, str]], *, seed: int) -> Parsed:
+def _common(body: Mapping[str, Any], messages: list[dict[str, str]]) -> Parsed:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model", f"'model' must be a string, got {_show(model)}.")
@@ -110,31 +113,12 @@ def _common(body: Mapping[str, Any], plan: Any, messages: list[dict[str, str]], 
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping):
         raise BadRequest("stream_options", f"'stream_options': got {_show(options)}, expected an object such as {{\"include_usage\": true}}.")
-    _check_sampling(body, plan.application, seed=seed)
-    return Parsed(messages=messages, max_tokens=max_tokens, stop=stops, stream=stream, include_usage=bool(options.get("include_usage")), model=model)
-
-
-def _check_sampling(body: Mapping[str, Any], app: Any, *, seed: int) -> None:
-    """Refuse a temperature / top_p / seed the plan's decoding would not honour (naming the plan field)."""
-    temperature, top_p, req_seed = body.get("temperature"), body.get("top_p"), body.get("seed")
-    if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
-        raise BadRequest("temperature", f"'temperature': got {_show(temperature)}, expected a number in [0, 2].")
-    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
-        raise BadRequest("top_p", f"'top_p': got {_show(top_p)}, expected a number in (0, 1].")
-    if req_seed is not None and not _is_int(req_seed):
-        raise BadRequest("seed", f"'seed': got {_show(req_seed)}, expected an integer.")
-    why = "fractal_opt's servers decode with the tuned plan's settings (per server, not per request); omit the field to get them"
-    if not app.do_sample:
-        # Greedy: temperature 0 is the same decoding; top_p and seed change nothing under greedy.
-        if temperature not in (None, 0, 0.0):
-            raise BadRequest("temperature", f"'temperature'={temperature}: this deployment decodes greedily (plan application.do_sample is false); {why}, or send 0.")
-        return
-    if temperature is not None and not math.isclose(temperature, app.temperature):
-        raise BadRequest("temperature", f"'temperature'={temperature}: this deployment samples at temperature {app.temperature} (plan application.temperature); {why}.")
-    if top_p is not None and not math.isclose(top_p, app.top_p):
-        raise BadRequest("top_p", f"'top_p'={top_p}: this deployment samples with top_p {app.top_p} (plan application.top_p); {why}.")
-    if req_seed is not None and req_seed != seed:
-        raise BadRequest("seed", f"'seed'={req_seed}: this server samples with seed {seed} (fractal-opt serve --seed); {why}.")
+    try:
+        sampling = check(body.get("temperature"), body.get("top_p"), body.get("seed"))
+    except SamplingError as e:
+        raise BadRequest(e.param, str(e)) from None
+    return Parsed(messages=messages, max_tokens=max_tokens, stop=stops, stream=stream, include_usage=bool(options.get("include_usage")), model=model,
+                  temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
 
 
 def _content(content: Any, where: str) -> str:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from ..engine.protocol import Generation, as_request
 from ..errors import EngineError, RequestRejected
 from ..workload import Request
+from .sampling import Decoding, Sampling, SamplingError, check, decoding, differs
 from .ticket import TERMINAL, Ticket
 
 if TYPE_CHECKING:
@@ -97,13 +98,17 @@ class Server:
 
     # ------------------------------------------------------------------ public
     def submit(self, request: Request | str | Sequence[dict[str, str]], *, max_new_tokens: int | None = None, timeout_s: float | None = None,
-               stop: Sequence[str] = ()) -> Ticket:
+               stop: Sequence[str] = (), temperature: float | None = None, top_p: float | None = None, seed: int | None = None) -> Ticket:
         """Queue a request (a user message, a list of ``{"role", "content"}`` chat messages or a
         Request) and return its ticket at once.
 
         ``timeout_s`` (default: the plan's ``timeout_s``) counts from now, queueing included.
         ``stop``: this request's own stop sequences, on top of the plan's: the answer ends before
         the first one that appears (the ticket cuts it and frees the request's slot).
+        ``temperature`` / ``top_p`` / ``seed``: this request's own sampling (None: the plan's, and
+        the server's seed); temperature 0 is greedy, above 0 samples even on a greedy plan
+        (:func:`~fractal_opt.serving.sampling.decoding`). A request whose sampling differs from the
+        plan's bypasses the response cache.
 
         Safe to call from any thread, also while another thread closes the server: the ticket is
         then rejected or cancelled, never left queued.
@@ -112,10 +117,16 @@ class Server:
             RequestRejected: the queue holds ``max_queue`` requests already, or the server is closed;
                 the exception's ``ticket`` attribute is the rejected ticket.
             RecipeError: the chat messages are not ``{"role", "content"}`` mappings.
+            SamplingError: a sampling value out of range, or one this scheduler cannot honour per
+                request (``param`` names the field).
         """
         request = as_request(request, where="submit()")
+        sampling = check(temperature, top_p, seed)
+        if (why := self.sampling_refused(sampling)) is not None:
+            raise SamplingError(*why)
         timeout_s = timeout_s if timeout_s is not None else self.plan.scheduling.timeout_s
         ticket = self._ticket(request, max_new_tokens=max_new_tokens, timeout_s=timeout_s)
+        ticket.sampling = sampling
         if stop:
             ticket.request_stops = tuple(s for s in stop if s)
             ticket.stops = (*ticket.stops, *ticket.request_stops)
@@ -178,6 +189,15 @@ class Server:
         """True once :meth:`close` ran (or the worker died): submit rejects every request."""
         return self._closed.is_set()
 
+    def decoding(self, ticket: Ticket) -> Decoding:
+        """What ``ticket`` is decoded with: its own sampling fields over the plan's and this server's seed."""
+        return decoding(self.plan.application, ticket.sampling, seed=self.seed)
+
+    def sampling_refused(self, sampling: Sampling) -> tuple[str, str] | None:
+        """``(field, why)`` when this scheduler cannot decode a request with ``sampling``, else None
+        (every scheduler but transformers' continuous batching honours all three)."""
+        return None
+
     # ------------------------------------------------------------------ for subclasses
     def _run(self) -> None:
         raise NotImplementedError
@@ -192,11 +212,18 @@ class Server:
 
     def _answer_from_cache(self, ticket: Ticket) -> bool:
         """End ``ticket`` with the plan's response cache answer, if it has one (True then)."""
+        if self._own_sampling(ticket):
+            return False
         hit = self.engine.lookup_response(ticket.request, ticket.max_new_tokens, ignore_eos=self.ignore_eos)
         if hit is None:
             return False
         ticket._from_cache(hit.value, hit.kind)
         return True
+
+    def _own_sampling(self, ticket: Ticket) -> bool:
+        """True when the ticket's sampling changes the plan's decoding: the response cache holds
+        answers of the plan's decoding only, so such a request is neither answered nor stored."""
+        return not ticket.sampling.empty and differs(self.plan.application, ticket.sampling, seed=self.seed) is not None
 
     def _cancelled(self, ticket: Ticket) -> None:
         """Called once when a ticket is cancelled (by the caller or by close)."""
@@ -218,7 +245,7 @@ class Server:
             self._live.pop(ticket.key, None)
 
     def _end(self, ticket: Ticket, status: str, error: BaseException | None = None) -> None:
-        if ticket._finish(status, error) and status == "done":
+        if ticket._finish(status, error) and status == "done" and not self._own_sampling(ticket):
             value = {"text": ticket.text(), "token_ids": list(ticket.token_ids), "prompt_tokens": ticket.prompt_tokens, "hit_cap": ticket.hit_cap}
             self.engine.store_response(ticket.request, ticket.max_new_tokens, value, ignore_eos=self.ignore_eos)  # no-op without a cache
         self._forget(ticket)

@@ -20,6 +20,7 @@ from typing import Any
 from ..engine.protocol import Generation
 from ..errors import EngineError, RequestRejected
 from ..workload import Request
+from .sampling import Sampling
 
 __all__ = ["TERMINAL", "Ticket"]
 
@@ -40,6 +41,8 @@ class Ticket:
     still be completed). ``request_stops`` are the caller's own stop sequences
     (``Server.submit(stop=...)``): the runtime knows only the plan's, so the ticket cuts the text
     at these itself and ends the request (``ended_on_stop``) as soon as one appears.
+    ``sampling`` holds the request's own temperature / top_p / seed; the scheduler decodes with
+    ``Server.decoding(ticket)``.
     """
 
     _ids = itertools.count()
@@ -66,6 +69,7 @@ class Ticket:
         self.stops: tuple[str, ...] = ()
         self.request_stops: tuple[str, ...] = ()
         self.ended_on_stop = False
+        self.sampling = Sampling()  # the request's own temperature / top_p / seed (Server.submit)
         self.error: BaseException | None = None
         self._visible = 0  # tokens the caller may read (all of them with streaming on)
         self._cond = threading.Condition()

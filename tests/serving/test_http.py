@@ -163,7 +163,9 @@ def test_bad_requests_get_a_json_error_naming_the_field(served, client):
     status, body = call(base, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0})
     assert status == 400 and body["error"]["param"] == "max_tokens"
     status, body = call(base, "/v1/chat/completions", {"messages": MESSAGES, "temperature": 0.7})
-    assert status == 400 and body["error"]["param"] == "temperature" and "greedily" in body["error"]["message"]
+    assert status == 400 and body["error"]["param"] == "temperature" and "continuously" in body["error"]["message"]  # a CB plan: per server
+    status, body = call(base, "/v1/chat/completions", {"messages": MESSAGES, "top_p": 2})
+    assert status == 400 and body["error"]["param"] == "top_p"
     status, body = call(base, "/v1/chat/completions", raw=b"{not json")
     assert status == 400 and body["error"]["param"] == "body"
     status, body = call(base, "/v1/chat/completions", {"messages": MESSAGES}, key="wrong")
@@ -328,6 +330,40 @@ def test_a_full_queue_answers_429_and_a_closed_server_503(tmp_path):
         status, body = call(base, "/v1/chat/completions", {"messages": MESSAGES}, key=None)
         assert status == 503 and body["error"]["code"] == "server_shutting_down"
         assert call(base, "/health", key=None)[0] == 503
+    finally:
+        web.should_exit = True
+        thread.join(10)
+
+
+def test_per_request_sampling_over_http_on_a_sequential_plan(lively_dir):
+    """The app on a greedy sequential plan: the openai client's seed reproduces, temperature 0 is
+    the greedy answer, and an out-of-range temperature / top_p is a 400 naming it."""
+    import uvicorn
+
+    from fractal_opt.runtimes import Engine
+    from fractal_opt.serving.http import create_app
+
+    app = create_app(Engine.build(Plan(source=str(lively_dir)), progress=lambda m: None), model_name="tiny")
+    port = free_port()
+    web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    while not web.started:
+        time.sleep(0.01)
+    base = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+    try:
+        def text(**sampling: object) -> str:
+            return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, **sampling).choices[0].message.content
+
+        greedy = text()
+        assert text(temperature=0) == greedy
+        seeded = text(temperature=1.5, seed=21)
+        assert text(temperature=1.5, seed=21) == seeded
+        assert len({text(temperature=1.5, seed=s) for s in range(4)}) > 1
+        for field, value in (("temperature", -1), ("top_p", 2)):
+            status, body = call(base, "/v1/chat/completions", {"messages": MESSAGES, field: value}, key=None)
+            assert status == 400 and body["error"]["param"] == field and field in body["error"]["message"]
     finally:
         web.should_exit = True
         thread.join(10)

@@ -1,29 +1,26 @@
-"""OpenAI request bodies checked against the served plan: each refusal names the field."""
+"""OpenAI request bodies checked: each refusal names the field; sampling fields pass through."""
 
 from __future__ import annotations
 
 import pytest
 
-from fractal_opt.plan import Plan
 from fractal_opt.serving.openai_requests import BadRequest, parse_chat, parse_completion
 
-GREEDY = Plan(source="m")
-SAMPLING = Plan(source="m").replace_section("application", do_sample=True, temperature=0.7, top_p=0.9)
 MSGS = [{"role": "user", "content": "hi"}]
 
 
-def _param(body, plan=GREEDY, parse=parse_chat) -> str:
+def _param(body, parse=parse_chat) -> str:
     with pytest.raises(BadRequest) as e:
-        parse(body, plan, seed=0)
+        parse(body)
     return e.value.param
 
 
 def test_a_plain_chat_request_takes_the_plans_defaults():
-    got = parse_chat({"model": "x", "messages": MSGS}, GREEDY, seed=0)
+    got = parse_chat({"model": "x", "messages": MSGS})
     assert got.messages == MSGS and got.max_tokens is None and got.stop == () and not got.stream
-    parts = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, GREEDY, seed=0)
+    parts = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
     assert parts.messages == [{"role": "system", "content": "ab"}]
-    got = parse_chat({"messages": MSGS, "stop": "\n", "max_completion_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}, GREEDY, seed=0)
+    got = parse_chat({"messages": MSGS, "stop": "\n", "max_completion_tokens": 5, "stream": True, "stream_options": {"include_usage": True}})
     assert (got.max_tokens, got.stop, got.stream, got.include_usage) == (5, ("\n",), True, True)
 
 
@@ -40,7 +37,9 @@ def test_a_plain_chat_request_takes_the_plans_defaults():
     ({"messages": MSGS, "n": 2}, "n"),
     ({"messages": MSGS, "stream": "yes"}, "stream"),
     ({"messages": MSGS, "temperature": 3}, "temperature"),
-    ({"messages": MSGS, "temperature": 0.5}, "temperature"),  # greedy plan
+    ({"messages": MSGS, "temperature": -1}, "temperature"),
+    ({"messages": MSGS, "temperature": "hot"}, "temperature"),
+    ({"messages": MSGS, "top_p": 2}, "top_p"),
     ({"messages": MSGS, "top_p": 0}, "top_p"),
     ({"messages": MSGS, "seed": 1.5}, "seed"),
     ([1, 2], "body"),
@@ -49,19 +48,15 @@ def test_bad_fields_are_named(body, param):
     assert _param(body) == param
 
 
-def test_a_greedy_plan_takes_temperature_zero_and_any_seed():
-    assert parse_chat({"messages": MSGS, "temperature": 0, "top_p": 0.5, "seed": 7}, GREEDY, seed=0).messages == MSGS
-
-
-def test_a_sampling_plan_takes_its_own_settings_and_refuses_others():
-    assert parse_chat({"messages": MSGS, "temperature": 0.7, "top_p": 0.9, "seed": 3}, SAMPLING, seed=3)
-    assert _param({"messages": MSGS, "temperature": 0.2}, SAMPLING) == "temperature"
-    assert _param({"messages": MSGS, "top_p": 0.5}, SAMPLING) == "top_p"
-    assert _param({"messages": MSGS, "seed": 9}, SAMPLING) == "seed"
+def test_sampling_fields_pass_through_and_omitted_ones_stay_none():
+    got = parse_chat({"messages": MSGS, "temperature": 0.7, "top_p": 0.9, "seed": 3})
+    assert (got.temperature, got.top_p, got.seed) == (0.7, 0.9, 3)
+    got = parse_completion({"prompt": "a", "temperature": 0})
+    assert (got.temperature, got.top_p, got.seed) == (0.0, None, None)
 
 
 def test_completions_take_one_prompt():
-    assert parse_completion({"prompt": ["Once"]}, GREEDY, seed=0).messages == [{"role": "user", "content": "Once"}]
+    assert parse_completion({"prompt": ["Once"]}).messages == [{"role": "user", "content": "Once"}]
     assert _param({"prompt": ["a", "b"]}, parse=parse_completion) == "prompt"
     assert _param({"prompt": "a", "echo": True}, parse=parse_completion) == "echo"
     assert _param({"prompt": "a", "logprobs": 3}, parse=parse_completion) == "logprobs"

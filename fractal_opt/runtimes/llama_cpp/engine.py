@@ -33,6 +33,7 @@ from ...errors import EngineError, RequestRejected
 from ...machine import Machine
 from ...models import resolve
 from ...plan import Plan
+from ...serving.sampling import Decoding
 from ...workload import Request
 from .census import eos_token_id, gguf_census
 from .settings import ServerSettings, common_params, refusals, request_body, server_settings
@@ -213,8 +214,12 @@ class LlamaCppEngine(Engine):
 
         return LlamaServer(self, seed=seed, ignore_eos=ignore_eos)
 
-    def complete(self, request: Request, *, budget: int, seed: int = 0, ignore_eos: bool = False, on_tokens: OnTokens | None = None) -> Answer:
+    def complete(self, request: Request, *, budget: int, seed: int = 0, ignore_eos: bool = False, on_tokens: OnTokens | None = None,
+                 decoding: Decoding | None = None) -> Answer:
         """Run one chat request to its end on the calling thread (llama.cpp picks a free slot).
+
+        ``decoding``: the request's own sampling (``Server.decoding(ticket)``) instead of the
+        plan's; llama.cpp takes sampling with every request, so nothing else changes.
 
         ``on_tokens(ids, times, text)`` is called as tokens arrive; returning True stops the
         request. A chunk normally holds one token; llama.cpp holds back a token that ends inside
@@ -228,6 +233,8 @@ class LlamaCppEngine(Engine):
         if self.model is None:
             raise EngineError("the engine is closed: build a new one with LlamaCppEngine.build(plan)")
         body = request_body(self.plan, request.as_messages(), budget=budget, seed=seed, ignore_eos=ignore_eos)
+        if decoding is not None:
+            body.update(_sampling_fields(decoding, seed))
         answer = Answer(t_start=time.perf_counter())
         pieces: list[str] = []
         error: list[dict[str, Any]] = []
@@ -358,3 +365,12 @@ def evict_except(keep: set[tuple]) -> None:
 def clear_cache() -> None:
     """Drop every loaded llama.cpp server (each stops when no engine holds it any more)."""
     _SERVERS.clear()
+
+
+def _sampling_fields(decoding: Decoding, seed: int) -> dict[str, Any]:
+    """llama.cpp's sampling fields for one request's decoding, every one sent (llama.cpp's own
+    defaults differ from transformers', as :func:`.settings.request_body` notes)."""
+    if not decoding.do_sample:
+        return {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}  # greedy: the argmax token
+    return {"temperature": decoding.temperature, "top_p": decoding.top_p, "top_k": decoding.top_k or 0, "min_p": decoding.min_p or 0.0,
+            "seed": seed if decoding.seed is None else decoding.seed}

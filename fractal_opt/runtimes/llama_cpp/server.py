@@ -45,7 +45,9 @@ class LlamaServer(SlotServer):
             return ticket.finished  # True stops the request in llama.cpp (cancel, timeout)
 
         try:
-            answer = self.engine.complete(ticket.request, budget=ticket.max_new_tokens, seed=self.seed, ignore_eos=self.ignore_eos, on_tokens=on_tokens)
+            own = self.decoding(ticket) if not ticket.sampling.empty else None  # the request's own temperature / top_p / seed
+            answer = self.engine.complete(ticket.request, budget=ticket.max_new_tokens, seed=self.seed, ignore_eos=self.ignore_eos, on_tokens=on_tokens,
+                                          decoding=own)
         except RequestRejected as e:
             self._end(ticket, "rejected", e)
             return

@@ -16,6 +16,7 @@ import queue
 from typing import Any
 
 from ...errors import EngineError, RequestRejected
+from ...serving.sampling import Sampling, differs
 from ...serving.server import _POLL_S, Server, Ticket
 
 __all__ = ["ContinuousServer", "cb_config", "cb_unsupported"]
@@ -80,6 +81,18 @@ class ContinuousServer(Server):
         self._running: dict[str, Ticket] = {}  # manager request id (ticket key) -> ticket; worker thread only
         self._to_cancel: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._eos: frozenset[int] = frozenset()  # the ids that end a request (none with ignore_eos)
+
+    def sampling_refused(self, sampling: Sampling) -> tuple[str, str] | None:
+        """A request's own sampling that would change the plan's decoding: refused, because
+        transformers' manager fixes greedy-or-sampling and the seed for the whole batch
+        (``GenerationConfig`` and ``ContinuousBatchingConfig.seed`` at start-up)."""
+        name = differs(self.plan.application, sampling, seed=self.seed)
+        if name is None:
+            return None
+        value = getattr(sampling, name)
+        return name, (f"'{name}'={value}: this deployment batches continuously with transformers, whose batch decodes every request with the "
+                      f"plan's sampling and the server's seed (application.do_sample / temperature / top_p, fractal-opt serve --seed); "
+                      "omit the field, or serve the plan with static or sequential batching (or the llama.cpp / vLLM runtime) for per-request sampling.")
 
     def _cancelled(self, ticket: Ticket) -> None:
         self._forget(ticket)

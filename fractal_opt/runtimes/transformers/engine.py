@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import torch
 
     from ...serving.response_cache import CacheHit
+    from ...serving.sampling import Decoding
     from ...workload import Workload
 
 __all__ = ["Encoded", "TransformersEngine", "clear_cache", "evict_except"]
@@ -288,9 +289,10 @@ class TransformersEngine(Engine):
         prompt_tokens = [int(n) for n in enc["attention_mask"].sum(dim=1).tolist()]  # padding excluded
         return Encoded(inputs=inputs, prompt_tokens=prompt_tokens, saved=saved)
 
-    def generation_kwargs(self, max_new_tokens: int | None) -> dict[str, Any]:
-        """``model.generate`` arguments for the plan, with the budget :meth:`budget` gives ``max_new_tokens``."""
-        return generate_kwargs(self.plan, self.tokenizer, budget=self.budget(max_new_tokens)) | self.app.generate_extras()
+    def generation_kwargs(self, max_new_tokens: int | None, decoding: Decoding | None = None) -> dict[str, Any]:
+        """``model.generate`` arguments for the plan, with the budget :meth:`budget` gives ``max_new_tokens``
+        (``decoding``: a request's own sampling instead of the plan's)."""
+        return generate_kwargs(self.plan, self.tokenizer, budget=self.budget(max_new_tokens), decoding=decoding) | self.app.generate_extras()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

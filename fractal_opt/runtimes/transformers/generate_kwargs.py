@@ -9,21 +9,27 @@ from __future__ import annotations
 from typing import Any
 
 from ...plan import Plan
+from ...serving.sampling import Decoding
 
 __all__ = ["cache_kwargs", "generate_kwargs", "uses_streamer"]
 
 
-def generate_kwargs(plan: Plan, tokenizer: Any, *, budget: int) -> dict[str, Any]:
-    """``generate()`` arguments for ``plan`` with a budget of ``budget`` new tokens."""
+def generate_kwargs(plan: Plan, tokenizer: Any, *, budget: int, decoding: Decoding | None = None) -> dict[str, Any]:
+    """``generate()`` arguments for ``plan`` with a budget of ``budget`` new tokens.
+
+    ``decoding``: a request's own sampling (``Server.decoding(ticket)``) instead of the plan's.
+    """
     app = plan.application
+    if decoding is None:
+        decoding = Decoding(app.do_sample, app.temperature, app.top_p, app.top_k, app.min_p) if app.do_sample else Decoding(False)
     kwargs: dict[str, Any] = {
         "max_new_tokens": budget,
-        "do_sample": app.do_sample,
+        "do_sample": decoding.do_sample,
         "repetition_penalty": app.repetition_penalty,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    if app.do_sample:
-        kwargs.update(temperature=app.temperature, top_p=app.top_p, top_k=app.top_k if app.top_k else 0, min_p=app.min_p)
+    if decoding.do_sample:
+        kwargs.update(temperature=decoding.temperature, top_p=decoding.top_p, top_k=decoding.top_k or 0, min_p=decoding.min_p)
     else:
         # Neutralize sampling defaults a checkpoint's generation_config may carry, so greedy
         # means greedy (and transformers does not warn about unused sampling flags).

@@ -6,9 +6,14 @@ measured suite and a served request get the same tokens, the same end-of-sequenc
 same clock readings.
 
 A batch is up to ``in_flight_limit(plan)`` queued requests (1 when sequential); the worker waits
-at most ``max_wait_ms`` for a static batch to fill. Each row is answered as soon as it ends (its
-end-of-sequence token, its own token budget, a cancel or a timeout); the batch stops as soon as
-every row has ended, so a cancelled or timed-out lone request frees its KV cache at the next step.
+at most ``max_wait_ms`` for a static batch to fill. Requests with their own sampling
+(``Server.submit(temperature=, top_p=, seed=)``) are decoded with it; a batch whose tickets
+differ in sampling runs as one generate call per sampling setting. The seed is set before each
+call, so a seeded request served alone (sequential) gives the same text every time.
+
+Each row is answered as soon as it ends (its end-of-sequence token, its own token budget, a
+cancel or a timeout); the batch stops as soon as every row has ended, so a cancelled or timed-out
+lone request frees its KV cache at the next step.
 """
 
 from __future__ import annotations
@@ -76,10 +81,16 @@ class BatchServer(Server):
                 if more is None:
                     break
                 batch.append(more)
-            self._run_batch(batch)
+            # One generate call decodes every row alike: tickets with different sampling (their
+            # own temperature / top_p / seed) run as separate batches, in arrival order.
+            groups: dict[Any, list[Ticket]] = {}
+            for ticket in batch:
+                groups.setdefault(self.decoding(ticket), []).append(ticket)
+            for group in groups.values():
+                self._run_batch(group)
 
     def _run_batch(self, batch: list[Ticket]) -> None:
-        """One left-padded generate over ``batch``; every ticket ends (done, or error with the cause)."""
+        """One left-padded generate over ``batch`` (tickets of one decoding); every ticket ends (done, or error with the cause)."""
         import torch
         from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -90,7 +101,8 @@ class BatchServer(Server):
         try:
             encoded = engine.encode_prompts([t.request for t in batch])
             budget = max(t.max_new_tokens for t in batch)
-            kwargs = engine.generation_kwargs(budget)
+            decoding = self.decoding(batch[0])
+            kwargs = engine.generation_kwargs(budget, decoding)
             if self.ignore_eos:
                 # End-of-sequence is generated like any other token but ends nothing, as in
                 # continuous batching (eos -1 there), so every mode gives the same tokens.
@@ -118,7 +130,7 @@ class BatchServer(Server):
                     row.ticket.streamed = False
                     row.ticket._start(row.prompt_tokens)
             with engine.exclusive():
-                torch.manual_seed(self.seed)
+                torch.manual_seed(self.seed if decoding.seed is None else decoding.seed)  # a request's own seed, or the server's
                 output = engine.model.generate(**encoded.inputs, streamer=streamer, stopping_criteria=StoppingCriteriaList([_AllEnded()]), **kwargs)
             if streamer is None:
                 if sync is not None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ...serving.slot_server import SlotServer
 from ...serving.ticket import Ticket
+from .engine import sampling_fields
 from .engine_args import sampling
 from .openai_client import Stream
 
@@ -40,6 +41,8 @@ class VllmServer(SlotServer):
         if not ticket._start(0):  # cancelled or timed out while queued
             return
         params = sampling(self.plan, ticket.max_new_tokens, ignore_eos=self.ignore_eos, seed=self.seed)
+        if not ticket.sampling.empty:  # the request's own temperature / top_p / seed, over the plan's
+            params.update(sampling_fields(self.decoding(ticket), self.seed))
         try:
             stream = self.engine.client.stream_chat(ticket.request.as_messages(), params)
             with self._streams_lock:
