@@ -135,9 +135,22 @@ class Pass:
         return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def describe(self) -> str:
-        """``name(k=v, ...)``: how the pass shows up in reports."""
-        inner = ", ".join(f"{k}={v}" for k, v in self.params().items())
+        """``name(k=v, ...)`` with the parameters that differ from the defaults: how the pass shows
+        up in progress lines and reports (``batching(mode=static, batch_size=6)``)."""
+        inner = ", ".join(f"{k}={v}" for k, v in self.shown_params(self.params()).items())
         return f"{self.name}({inner})"
+
+    @classmethod
+    def shown_params(cls, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``params`` without those equal to the pass's defaults, except the first parameter, which
+        says what the pass does (``dtype=bfloat16``) and is always shown."""
+        defaults: dict[str, Any] = {}
+        for f in dataclasses.fields(cls)[1:]:
+            if f.default is not dataclasses.MISSING:
+                defaults[f.name] = plain(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                defaults[f.name] = plain(f.default_factory())
+        return {k: v for k, v in params.items() if k not in defaults or defaults[k] != v}
 
     @classmethod
     def summary(cls) -> str:

@@ -6,30 +6,20 @@ of them (``Step.params``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
-
-from ..validate import plain
 
 __all__ = ["non_default_params", "pass_label"]
 
 
 def non_default_params(pass_name: str, params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` without the ones equal to the pass's defaults, except the first (all of them for
-    an unknown pass)."""
+    """``params`` without the ones equal to the pass's defaults, except the first
+    (:meth:`fractal_opt.passes.Pass.shown_params`); all of them for an unknown pass."""
     from ..layers import registry
 
     cls = registry().get(pass_name)
     if cls is None:  # a plugin not installed here: show everything rather than guess
         return dict(params)
-    defaults: dict[str, Any] = {}
-    fields = dataclasses.fields(cls)
-    for f in fields[1:]:  # the first parameter says what the pass does (dtype=bfloat16): always shown
-        if f.default is not dataclasses.MISSING:
-            defaults[f.name] = plain(f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            defaults[f.name] = plain(f.default_factory())
-    return {k: v for k, v in params.items() if k not in defaults or defaults[k] != v}
+    return cls.shown_params(params)
 
 
 def pass_label(pass_name: str, params: dict[str, Any], status: str = "") -> str:
