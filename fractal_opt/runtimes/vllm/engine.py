@@ -30,7 +30,6 @@ from ...errors import EngineError
 from ...machine import Machine, resolve_device
 from ...models import materialize, resolve
 from ...plan import Plan
-from ...serving.sampling import Decoding
 from ...workload import Request
 from . import cache
 from .engine_args import _CONTINUOUS_DEFAULT_IN_FLIGHT, engine_args, refusals, sampling, server_env
@@ -230,19 +229,6 @@ class VllmEngine(Engine):
     def _check_open(self) -> None:
         if self.model is None:
             raise EngineError("the vllm engine is closed: build a new one with VllmEngine.build(plan)")
-
-
-def sampling_fields(decoding: Decoding, seed: int) -> dict[str, Any]:
-    """vLLM's per-request sampling fields for one request's own decoding (``Server.decoding(ticket)``),
-    sent over the plan's (:func:`.engine_args.sampling`): vLLM samples per request anyway."""
-    if not decoding.do_sample:
-        return {"temperature": 0.0, "top_p": 1.0}  # greedy in vLLM
-    out: dict[str, Any] = {"temperature": decoding.temperature, "top_p": decoding.top_p, "seed": seed if decoding.seed is None else decoding.seed}
-    if decoding.top_k is not None:
-        out["top_k"] = decoding.top_k
-    if decoding.min_p is not None:
-        out["min_p"] = decoding.min_p
-    return out
 
 
 def _safetensors_params(folder: Path) -> tuple[int, int]:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ...serving.sampling import Decoding
+
 __all__ = ["FIELDS", "engine_args", "refusals", "sampling", "server_env"]
 
 # Where each plan field goes. "arg": a `vllm serve` flag; "env": the server's environment;
@@ -298,3 +300,16 @@ def sampling(plan: Any, max_new_tokens: int, *, ignore_eos: bool = False, seed: 
     if ignore_eos:
         body["ignore_eos"] = True
     return body
+
+
+def sampling_fields(decoding: Decoding, seed: int) -> dict[str, Any]:
+    """vLLM's per-request sampling fields for one request's own decoding (``Server.decoding(ticket)``),
+    sent over the plan's (:func:`.engine_args.sampling`): vLLM samples per request anyway."""
+    if not decoding.do_sample:
+        return {"temperature": 0.0, "top_p": 1.0}  # greedy in vLLM
+    out: dict[str, Any] = {"temperature": decoding.temperature, "top_p": decoding.top_p, "seed": seed if decoding.seed is None else decoding.seed}
+    if decoding.top_k is not None:
+        out["top_k"] = decoding.top_k
+    if decoding.min_p is not None:
+        out["min_p"] = decoding.min_p
+    return out

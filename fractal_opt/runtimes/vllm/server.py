@@ -17,8 +17,7 @@ from typing import Any
 
 from ...serving.slot_server import SlotServer
 from ...serving.ticket import Ticket
-from .engine import sampling_fields
-from .engine_args import sampling
+from .engine_args import sampling, sampling_fields
 from .openai_client import Stream
 
 __all__ = ["VllmServer"]
