@@ -137,7 +137,7 @@ def test_the_search_params_and_older_recipes_levels():
     a fixed pass runs once, as itself."""
     ramp = Concurrency(mode="ramp", levels=(8, 16, 32))
     assert ramp == Concurrency(mode="ramp", start=8, max_limit=32)
-    assert ramp.describe() == "concurrency(mode=ramp, start=8, max_limit=32, resolution=1)"
+    assert ramp.describe() == "concurrency(mode=ramp, start=8, max_limit=32)"
     assert ramp.apply(PLAN).scheduling.max_concurrency == 8
     fixed = Concurrency(limit=16)
     assert fixed.describe() == "concurrency(mode=fixed, limit=16)" and Concurrency.from_params(fixed.params()) == fixed
