@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -24,9 +23,6 @@ from ..machine import Machine, resolve_device
 __all__ = ["Check", "busy_check", "doctor", "render"]
 
 OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
-# Other work using more than this share of all cores makes measurements noisy (the same line
-# measure/machine_limits.py uses to re-probe ceilings taken on a busy machine).
-BUSY_SHARE = 0.5
 # Weights + KV above this share of the device leave no room for activations, the reference
 # logits and the previous plan's model (interleaved measurement holds two).
 HEADROOM_SHARE = 0.8
@@ -174,42 +170,17 @@ def threads_check(machine: Machine, plan_threads: int | str | None = None) -> Ch
 
 def busy_check(machine: Machine, *, sample_s: float = 1.0) -> Check:
     """How busy the machine is with other work: CPU use of every other process over ``sample_s``
-    seconds and the 1-minute load average. A busy machine makes every verdict noisy."""
-    import psutil
+    seconds and the load average (:func:`fractal_opt.measure.busy.snapshot`, the reading the
+    calibration uses). A busy machine makes every verdict noisy."""
+    from ..measure.busy import snapshot
 
-    me = os.getpid()
-    procs = []
-    for p in psutil.process_iter(["pid", "name"]):
-        if p.info["pid"] == me:
-            continue
-        try:
-            p.cpu_percent(None)  # primes the counter
-            procs.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    time.sleep(sample_s)
-    used = []
-    for p in procs:
-        try:
-            used.append((p.cpu_percent(None), p.info["pid"], p.info["name"]))
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    # The processes this one can see (a container's own), not the host's CPU counters: a
-    # container's os.cpu_count() is its share while /proc/stat counts every host core.
-    share = sum(pct for pct, _, _ in used) / 100 / machine.logical_cores
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        load = None
-    used.sort(reverse=True)
-    top = [f"{name} (pid {pid}) {pct:.0f}%" for pct, pid, name in used[:3] if pct >= 10]
-    found = f"other processes use {share:.0%} of the {machine.logical_cores} cores over {sample_s:g} s" + (f", load average {load:.2f} on {machine.logical_cores} logical cores" if load is not None else "")
-    if top:
-        found += "; busiest: " + ", ".join(top)
-    # The load average lags by a minute (it still counts work just finished) and counts this
-    # process: only a load above the core count says "busy" on its own.
-    busy = share > BUSY_SHARE or (load is not None and load > machine.logical_cores)
-    if busy:
+    s = snapshot(sample_s, count_children=True)
+    found = f"other processes use {s.others_cores / s.cores:.0%} of the {s.cores} cores over {sample_s:g} s"
+    if s.load_average:
+        found += f", load average {s.load_average[0]:.2f} on {s.cores} logical cores"
+    if s.processes:
+        found += "; busiest: " + ", ".join(f"{p['name']} (pid {p['pid']}) {p['cpu']:.0%}" for p in s.processes[:3])
+    if s.busy:
         return Check("machine load", WARN, found, "measure on a quiet machine: stop the busiest processes, or expect wide noise bands and rolled-back passes")
     return Check("machine load", OK, found)
 

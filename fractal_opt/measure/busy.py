@@ -100,8 +100,10 @@ def _cpu_times() -> dict[int, tuple[str, float]]:
     return out
 
 
-def snapshot(interval_s: float = 1.0) -> BusySnapshot:
-    """Sample the machine's load for ``interval_s`` seconds (this process and its children excluded)."""
+def snapshot(interval_s: float = 1.0, *, count_children: bool = False) -> BusySnapshot:
+    """Sample the machine's load for ``interval_s`` seconds, this process excluded; its children
+    too unless ``count_children`` (a run's own servers are not "other work"; for ``doctor``,
+    which starts none, every other process is)."""
     cores = os.cpu_count() or 1
     try:
         load: tuple[float, float, float] | None = tuple(round(v, 2) for v in os.getloadavg())  # type: ignore[assignment]
@@ -113,7 +115,7 @@ def snapshot(interval_s: float = 1.0) -> BusySnapshot:
         time.sleep(interval_s)
         second = _cpu_times()
         elapsed = time.perf_counter() - t0
-        mine = _own_pids()
+        mine = {os.getpid()} if count_children else _own_pids()
     except Exception:  # psutil refused (a sandbox without /proc): only the load average is known
         return BusySnapshot(load_average=load, cores=cores, others_cores=0.0, interval_s=interval_s)
     used = []
