@@ -103,6 +103,14 @@ def resolve(spec: str) -> ModelSource:
     raise ModelSourceError(msg)
 
 
+def local_files(path: Path) -> list[Path]:
+    """The files a local model is made of, sorted: the file itself for a .gguf, every file under a
+    folder except hidden entries (a hub snapshot's .cache, editors' files), which are not the model."""
+    if not path.is_dir():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
 # --------------------------------------------------------------------------- files, without weights
 
 _WEIGHTS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.pt", "*.pth", "tf_model.h5", "flax_model.msgpack")

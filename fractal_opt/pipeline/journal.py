@@ -69,7 +69,7 @@ def _inputs(recipe: Recipe) -> dict[str, str]:
 def model_files(spec: str) -> dict[str, Any]:
     """The model's files: name -> size and a sha256 (small files) or modification time (the
     weights, too large to hash on every start). A hub id names no local files: it stands for itself."""
-    from ..models import resolve
+    from ..models import local_files, resolve
 
     try:
         path = resolve(spec).path
@@ -78,7 +78,7 @@ def model_files(spec: str) -> dict[str, Any]:
     if path is None:
         return {"id": spec}
     path = Path(path)
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    files = local_files(path)
     out: dict[str, Any] = {}
     for f in files[:_MAX_FILES]:
         st = f.stat()

@@ -49,7 +49,7 @@ def model_fingerprint(spec: str) -> dict[str, Any]:
     says why; neither stops a run.
     """
     from ..errors import ModelSourceError
-    from ..models import resolve
+    from ..models import local_files, resolve
 
     try:
         source = resolve(spec)
@@ -58,8 +58,7 @@ def model_fingerprint(spec: str) -> dict[str, Any]:
     if source.path is None:
         return {"status": f"not hashed: {source.kind} model {spec!r} (no local files)"}
     root = source.path
-    # Hidden entries (a hub snapshot's .cache, editors' files) are not the model.
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)) if root.is_dir() else [root]
+    files = local_files(root)
     digest = hashlib.sha256()
     total = 0
     for path in files:
