@@ -84,6 +84,12 @@ class Engine(abc.ABC):
         it cannot be measured side by side with another plan's model."""
         return False
 
+    def activate(self) -> float:
+        """Make this engine ready to compute, before a timed round: a runtime whose loaded models
+        slow each other down while resident (llama.cpp servers in one process) releases the others
+        and reloads this one. Returns the seconds that took, untimed by the measurement. Default: 0."""
+        return 0.0
+
     def prepare(self, requests: Sequence[Request], workload: Workload) -> dict[str, float]:
         """Start-up work a user pays once before serving (compiling, warming caches), untimed by the
         measurement; returns the timings to show (e.g. ``{"compile_s": 41.0}``). Default: none."""

@@ -57,10 +57,12 @@ class Runner:
         self.outputs: dict[str, list[int]] = {}
         self.texts: dict[str, str] = {}
         self.warmup_s = 0.0
+        self.activate_s = 0.0  # seconds engine.activate() took before warm-up and rounds (reloads)
         self.memory_source = "rss"
         self.gpu: dict[str, Any] = {}
 
     def warm_up(self) -> None:
+        self.activate_s += self.engine.activate()
         t0 = time.perf_counter()
         for _ in range(self.workload.warmup):
             self.source.warm_up()
@@ -68,6 +70,7 @@ class Runner:
 
     def round(self) -> None:
         r = len(self.repeats)
+        self.activate_s += self.engine.activate()  # before the clock: e.g. llama.cpp reloads its server if another plan's was resident
         self.engine.reset_response_cache()  # every round starts cold: hits come from repeats within the round
         cpu0 = os.times()
         with MemoryWindow(self.device) as mem, GpuMonitor(self.device) as gpu:
@@ -97,6 +100,8 @@ class Runner:
             extra["cuda_max_reserved_mb"] = max(reserved)
         if self.capacity_mb:
             extra["capacity_mb"] = round(self.capacity_mb, 1)
+        if self.activate_s:
+            extra["activate_s"] = round(self.activate_s, 2)
         return Measurement(samples=self.samples, repeats=self.repeats, outputs=self.outputs, texts=self.texts, warmup_s=self.warmup_s,
                            memory_source=self.memory_source, extra=extra)
 

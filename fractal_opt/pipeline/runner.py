@@ -633,7 +633,7 @@ def _metrics(m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = dict(m.summary())
     out["spread"] = m.spreads()
     out["memory_source"] = m.memory_source
-    out.update({k: v for k, v in m.extra.items() if k in ("gpu", "cuda_max_reserved_mb", "capacity_mb", "load")})  # GPU telemetry: "unavailable" on CPU; load: the profile and per-round request counts
+    out.update({k: v for k, v in m.extra.items() if k in ("gpu", "cuda_max_reserved_mb", "capacity_mb", "load", "activate_s")})  # GPU telemetry: "unavailable" on CPU; load: the profile and per-round request counts
     out["quality"] = dict(quality)
     return out
 

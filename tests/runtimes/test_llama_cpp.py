@@ -129,8 +129,9 @@ def test_prompt_over_the_context_cap_is_rejected(continuous: LlamaCppEngine) -> 
 def test_decoding_fields_reuse_the_loaded_model_and_stop_cuts_the_text(engine: LlamaCppEngine) -> None:
     """A plan that changes only stops reuses the loaded llama.cpp server, and the stop string ends the text."""
     plan = _plan(application=ApplicationPlan(stop=(" ",)))
+    engine.activate()  # its server resident again (another test's plan may have been loaded since)
     stopped = LlamaCppEngine.build(plan, progress=lambda _: None, max_new_tokens=12)
-    assert stopped.model is engine.model and stopped.load_s == 0.0
+    assert stopped.settings == engine.settings and stopped.load_s == 0.0
     g = stopped.serve([Request(id="s", messages=(("user", "Tell me about bridges."),))])[0]
     assert g.text and " " not in g.text and not g.hit_cap
 

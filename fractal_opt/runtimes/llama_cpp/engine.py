@@ -10,6 +10,15 @@ reaches Python: that is when a caller could see it.
 Loaded servers are cached by their load-time settings (:class:`.settings.ServerSettings`): a pass
 that changes decoding, stops or budgets reuses the loaded model, as in the transformers runtime.
 
+One server is resident at a time. Two llama.cpp servers in one process share one OpenMP runtime
+(libgomp), which counts the threads of both: once they outnumber the cores it cuts every thread's
+spin-wait between kernels to almost nothing, and the server that computes decodes at less than
+half its speed although the other is idle (measured: 82.9 -> 34.2 tok/s on the embedded model,
+2 threads on 2 cores, with a second server loaded and idle; back to 81.5 once it was dropped). A
+server on its own is what a deployment runs, so an engine holds a :class:`_Resident` handle that
+loads its server on demand and drops the other one: :meth:`LlamaCppEngine.activate`, which the
+measurement calls before every round (a reload from the page cache takes ~0.5 s for this model).
+
 Example:
     >>> from fractal_opt.plan import Plan, HardwarePlan                                # doctest: +SKIP
     >>> engine = LlamaCppEngine.build(Plan(source="smollm2-135m-instruct",
@@ -19,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import threading
@@ -40,10 +50,9 @@ from .settings import ServerSettings, common_params, refusals, request_body, ser
 
 __all__ = ["LlamaCppEngine", "clear_cache", "evict_except"]
 
-# Loaded xllamacpp servers by settings. Two entries, as in the transformers runtime: the pipeline
-# alternates between the last kept plan and a candidate.
+# The loaded xllamacpp server, by settings: at most one entry (see the module's note on libgomp).
 _SERVERS: OrderedDict[ServerSettings, tuple[Any, tuple]] = OrderedDict()  # settings -> (server, plan.weights_key())
-_SERVERS_SIZE = 2
+_SERVERS_LOCK = threading.Lock()  # slot threads of one engine may ask for its server at once
 
 # A token-callback returns True to stop the request (llama.cpp then frees the slot).
 OnTokens = Callable[[list[int], list[float], str], bool]
@@ -140,18 +149,16 @@ class LlamaCppEngine(Engine):
         source = resolve(plan.source)
         cores = (machine or Machine.probe()).physical_cores if plan.hardware.threads == "auto" else None
         settings = server_settings(plan, str(source.path), physical_cores=cores)
-        start = time.perf_counter()
-        if settings in _SERVERS:
-            _SERVERS.move_to_end(settings)
-            handle, load_s = _SERVERS[settings][0], 0.0
-        else:
-            while len(_SERVERS) >= _SERVERS_SIZE:
-                _SERVERS.popitem(last=False)  # the server stops when its last reference goes
+        if settings not in _SERVERS:
             progress(f"loading {source.path.name} into llama.cpp ({settings.slots} slot(s), KV cache of {settings.kv_tokens} tokens{' shared' if settings.unified else ''})")
-            handle = xlc.Server(common_params(settings))
-            load_s = time.perf_counter() - start
-            _SERVERS[settings] = (handle, plan.weights_key())
+        handle = _Resident(settings, plan.weights_key(), xlc.Server)
+        load_s = handle.load()
         return cls(plan, handle, settings, machine=machine, load_s=load_s, max_new_tokens=max_new_tokens)
+
+    def activate(self) -> float:
+        """Make this engine's server the resident one (reloading it if another plan's server was
+        used since), before a timed round; returns the seconds the reload took (0 when resident)."""
+        return self.model.load() if isinstance(self.model, _Resident) else 0.0
 
     def census(self) -> dict[str, Any]:
         """Weights by GGUF storage type, quantized linear layers, and the KV cache llama.cpp allocated."""
@@ -356,15 +363,55 @@ def _gguf_tokenizer(path: str) -> Any:
     return _TOKENIZERS[path]
 
 
+class _Resident:
+    """What an engine holds instead of the ``xllamacpp.Server``: its settings. The server is
+    loaded on first use and again whenever another plan's server was resident since, so only
+    :data:`_SERVERS` ever holds a server (a server stops when its last reference goes)."""
+
+    def __init__(self, settings: ServerSettings, weights_key: tuple, server_class: Callable[[Any], Any]):
+        self.settings = settings
+        self.weights_key = weights_key
+        self.server_class = server_class
+        self.loads = 0  # times this server was loaded (more than one: another plan's was resident in between)
+
+    def load(self) -> float:
+        """Make this server the resident one; the seconds that took (0.0 when it already was)."""
+        return self._acquire()[1]
+
+    def server(self) -> Any:
+        """The loaded server (loading it if another plan's is resident)."""
+        return self._acquire()[0]
+
+    def _acquire(self) -> tuple[Any, float]:
+        with _SERVERS_LOCK:
+            if self.settings in _SERVERS:
+                return _SERVERS[self.settings][0], 0.0
+            _SERVERS.clear()
+            gc.collect()  # the other server's threads stop here, before this one starts its own
+            start = time.perf_counter()
+            server = self.server_class(common_params(self.settings))
+            _SERVERS[self.settings] = (server, self.weights_key)
+            self.loads += 1
+            return server, time.perf_counter() - start
+
+    def handle_chat_completions(self, body: dict[str, Any], callback: Callable[[dict[str, Any]], bool]) -> Any:
+        return self.server().handle_chat_completions(body, callback)
+
+    def handle_completions(self, body: dict[str, Any]) -> Any:
+        return self.server().handle_completions(body)
+
+
 def evict_except(keep: set[tuple]) -> None:
-    """Drop loaded servers whose plan's ``weights_key()`` is not in ``keep``."""
-    for key in [s for s, (_, weights) in _SERVERS.items() if weights not in keep]:
-        del _SERVERS[key]
+    """Drop the loaded server when its plan's ``weights_key()`` is not in ``keep``."""
+    with _SERVERS_LOCK:
+        for key in [s for s, (_, weights) in _SERVERS.items() if weights not in keep]:
+            del _SERVERS[key]
 
 
 def clear_cache() -> None:
-    """Drop every loaded llama.cpp server (each stops when no engine holds it any more)."""
-    _SERVERS.clear()
+    """Drop the loaded llama.cpp server (it stops once no call is using it)."""
+    with _SERVERS_LOCK:
+        _SERVERS.clear()
 
 
 def _sampling_fields(decoding: Decoding, seed: int) -> dict[str, Any]:
