@@ -100,6 +100,7 @@ _LOAD_LOST = {  # how the weights are loaded: no generation_config.json key (a l
     "hardware.offload_folder": "disk offload", "hardware.dtype": "the weights' dtype", "hardware.threads": "torch's thread count",
     "hardware.attention": "the attention kernel", "hardware.matmul_precision": "torch's float32 matmul precision", "hardware.compile": "torch.compile",
     "hardware.prepack": "oneDNN weight prepacking", "hardware.flash_attention": "llama.cpp's flash attention",
+    "hardware.n_batch": "llama.cpp's tokens per decode call", "hardware.n_ubatch": "llama.cpp's tokens per forward pass",
     "hardware.tensor_parallel": "vLLM's tensor parallelism", "hardware.pipeline_parallel": "vLLM's pipeline parallelism",
     "model.weight_bits": "weight quantization", "model.quant_backend": "weight quantization", "model.quant_method": "weight quantization",
     "model.quant_group_size": "weight quantization", "model.quant_skip": "weight quantization", "model.quant_sensitivity_max_kl": "weight quantization",
@@ -127,6 +128,8 @@ _TRANSFORMERS_SERVE_TABLE: dict[str, tuple[str, str]] = {
     "hardware.compile": ("arg", "--compile (its own mode: the plan's compile mode does not carry)"),
     "hardware.prepack": ("lost", _TORCH_ONLY + " (oneDNN prepacking of Linear weights)"),
     "hardware.flash_attention": ("lost", "llama.cpp's flash-attention switch; transformers picks its kernel with --attn-implementation"),
+    "hardware.n_batch": ("lost", "llama.cpp's tokens per decode call; transformers serve's tokens per step is --cb-max-batch-tokens (scheduling.cb_max_batch_tokens)"),
+    "hardware.n_ubatch": ("lost", "llama.cpp's tokens per forward pass; transformers serve has no such flag"),
     "hardware.tensor_parallel": ("lost", "vLLM's tensor parallelism; transformers serve has none"),
     "hardware.pipeline_parallel": ("lost", "vLLM's pipeline parallelism; transformers serve has none"),
     "model.weight_bits": ("arg", "--quantization bnb-8bit / bnb-4bit (bitsandbytes only; bnb-4bit is nf4 with double quantization, which fractal_opt did not measure)"),
@@ -173,6 +176,8 @@ _LLAMA_SERVER_TABLE: dict[str, tuple[str, str]] = {
     "hardware.compile": ("lost", "llama.cpp's kernels are compiled ahead of time"),
     "hardware.prepack": ("lost", "llama.cpp repacks weights for the CPU by itself"),
     "hardware.flash_attention": ("arg", "--flash-attn on|off|auto"),
+    "hardware.n_batch": ("arg", "--batch-size"),
+    "hardware.n_ubatch": ("arg", "--ubatch-size"),
     "hardware.tensor_parallel": ("lost", "vLLM's tensor parallelism (llama.cpp splits layers with --split-mode on several GPUs)"),
     "hardware.pipeline_parallel": ("lost", "vLLM's pipeline parallelism"),
     "model.weight_bits": ("lost", "the GGUF file fixes the weights' quantization (llama-quantize makes another file)"),
@@ -447,6 +452,7 @@ def _llama_server(plan: Plan, model: str, out: Export, host: str, port: int) -> 
     if settings.threads is not None:
         cmd += ["--threads", str(settings.threads), "--threads-batch", str(settings.threads)]
     cmd += ["--flash-attn", settings.flash_attention]
+    cmd += [arg for flag, n in (("--batch-size", settings.n_batch), ("--ubatch-size", settings.n_ubatch)) if n is not None for arg in (flag, str(n))]
     if settings.cache_type != "f16":
         cmd += ["--cache-type-k", settings.cache_type, "--cache-type-v", settings.cache_type]
     if not settings.prefix_cache:

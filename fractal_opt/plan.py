@@ -75,6 +75,11 @@ class HardwarePlan:
     compile: str | None = field(default=None, metadata=NUMERICS)  # torch.compile mode of the decode step: default | reduce-overhead | max-autotune
     prepack: tuple[str, ...] = field(default=(), metadata=WEIGHTS)  # Linear modules whose weights are repacked for oneDNN (CPU, float32): "lm_head"
     flash_attention: str = field(default="auto", metadata=NUMERICS)  # llama.cpp's flash-attention kernel: auto | on | off
+    # llama.cpp's batch sizes (None = llama.cpp's own: 2048 / 512). A prompt is fed in llama_decode
+    # calls of at most n_batch tokens, each run as forward passes of at most n_ubatch tokens, so
+    # they set the matmul shapes of prefill: numerics, like any kernel choice.
+    n_batch: int | None = field(default=None, metadata=NUMERICS)  # llama.cpp: tokens per decode call, all slots together (logical batch)
+    n_ubatch: int | None = field(default=None, metadata=NUMERICS)  # llama.cpp: tokens per forward pass (physical batch), <= n_batch
     runtime_path: str | None = field(default=None, metadata=WEIGHTS)  # vllm: the `vllm` executable (None = $FRACTAL_OPT_VLLM, then .venv-vllm/bin/vllm)
     runtime_url: str | None = field(default=None, metadata=WEIGHTS)  # vllm: base URL of a running OpenAI-compatible server (then nothing is started)
     tensor_parallel: int = field(default=1, metadata=WEIGHTS)  # vllm: GPUs each layer is split over (--tensor-parallel-size)

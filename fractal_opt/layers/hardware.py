@@ -3,22 +3,24 @@
 Passes: ``runtime`` (the inference engine: transformers, llama.cpp, vLLM), ``device`` (one
 device, or accelerate's ``device_map`` over several with CPU/disk offload), ``dtype``, ``threads``, ``attention`` (kernel), ``matmul_precision`` (TF32 on CUDA) and
 ``compile`` (torch.compile of the decode step) and ``prepack`` (oneDNN's blocked weight layout for
-named Linear modules, CPU), ``flash_attention`` (llama.cpp's kernel switch). GPU-only options
+named Linear modules, CPU), ``flash_attention`` (llama.cpp's kernel switch), ``llama_batch``
+(llama.cpp's ``n_batch`` / ``n_ubatch``). GPU-only options
 say so in ``check``; what a runtime cannot do with a plan, the runtime refuses.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import RecipeError
 from ..machine import Machine, resolve_device
 from ..passes import Layer, Pass, register
 from ..plan import Plan
+from ..validate import MAX_TOKENS
 
-__all__ = ["Attention", "Compile", "Device", "Dtype", "FlashAttention", "MatmulPrecision", "Prepack", "Runtime", "Threads"]
+__all__ = ["Attention", "Compile", "Device", "Dtype", "FlashAttention", "LlamaBatch", "MatmulPrecision", "Prepack", "Runtime", "Threads"]
 
 # The package each runtime needs in this environment (vllm runs in its own: its runtime finds it).
 RUNTIME_PACKAGES = {"llama_cpp": "xllamacpp"}
@@ -85,6 +87,42 @@ class FlashAttention(Pass):
 
     def apply(self, plan: Plan) -> Plan:
         return plan.replace_section("hardware", flash_attention=self.mode)
+
+
+@register
+@dataclass(frozen=True, kw_only=True)
+class LlamaBatch(Pass):
+    """Set llama.cpp's batch sizes: n_batch (tokens per decode call) and n_ubatch (tokens per forward pass).
+
+    llama.cpp feeds a prompt in decode calls of at most ``n_batch`` tokens (its server puts every
+    slot's tokens of one step in a call) and runs each call as forward passes of at most
+    ``n_ubatch`` tokens: they set the matmul shapes of prefill and the size of the compute buffer,
+    and a smaller ``n_batch`` cuts a long prefill into shorter steps, so slots that are decoding
+    wait a shorter step for their next token. Which sizes are faster is for the run to measure.
+    null keeps llama.cpp's default (2048 / 512). A recipe with ``n_ubatch > n_batch`` is refused
+    (llama.cpp would silently run ``n_batch``). Only llama.cpp reads these fields; the
+    transformers and vLLM runtimes refuse them.
+
+    Example:
+        >>> LlamaBatch(n_batch=512, n_ubatch=256).apply(Plan(source="m")).hardware.n_ubatch
+        256
+    """
+
+    name = "llama_batch"
+    layer = Layer.HARDWARE
+
+    n_batch: int | None = field(default=None, metadata={"bounds": (1, MAX_TOKENS)})
+    n_ubatch: int | None = field(default=None, metadata={"bounds": (1, MAX_TOKENS)})
+
+    def __post_init__(self) -> None:
+        from ..runtimes.llama_cpp.settings import batch_problems  # pure; imports no xllamacpp
+
+        if problems := batch_problems(self.n_batch, self.n_ubatch):
+            msg = "; ".join(f"pass 'llama_batch', parameter {name!r}: got {getattr(self, name)!r}, which {why}" for name, why in problems.items())
+            raise RecipeError(msg + ".")
+
+    def apply(self, plan: Plan) -> Plan:
+        return plan.replace_section("hardware", n_batch=self.n_batch, n_ubatch=self.n_ubatch)
 
 
 @register

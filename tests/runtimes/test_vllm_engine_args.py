@@ -33,6 +33,8 @@ ROWS: list[tuple[str, Any, dict[str, dict[str, Any]], str, Any]] = [
     ("hardware.tensor_parallel", 2, GPU, "args", ["--tensor-parallel-size", "2"]),
     ("hardware.pipeline_parallel", 2, GPU, "args", ["--pipeline-parallel-size", "2"]),
     ("hardware.flash_attention", "on", {}, "refused", None),
+    ("hardware.n_batch", 512, {}, "refused", None),
+    ("hardware.n_ubatch", 256, {}, "refused", None),
     ("hardware.device", "cuda:1", {}, "env", {"CUDA_VISIBLE_DEVICES": "1"}),
     ("hardware.device_map", "auto", {}, "refused", None),
     ("hardware.max_memory", ("0=20GiB",), {}, "refused", None),

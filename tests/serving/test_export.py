@@ -37,6 +37,8 @@ SAMPLES: dict[str, tuple[object, dict[str, object]]] = {
     "hardware.compile": ("max-autotune", {}),
     "hardware.prepack": (("lm_head",), {}),
     "hardware.flash_attention": ("on", {}),
+    "hardware.n_batch": (512, {}),
+    "hardware.n_ubatch": (256, {}),
     "hardware.runtime_path": ("/opt/vllm/bin/vllm", {}),
     "hardware.runtime_url": ("http://127.0.0.1:9000", {}),
     "hardware.tensor_parallel": (2, {"hardware.device": "cuda"}),

@@ -16,7 +16,7 @@ from typing import Any
 
 from ...plan import Plan
 
-__all__ = ["KV_CACHE_TYPES", "ServerSettings", "common_params", "describe", "refusals", "request_body", "server_settings"]
+__all__ = ["KV_CACHE_TYPES", "N_BATCH_DEFAULT", "N_UBATCH_DEFAULT", "ServerSettings", "batch_problems", "common_params", "describe", "refusals", "request_body", "server_settings"]
 
 # plan.model.kv_bits -> llama.cpp cache type (ggml block formats: 32 values per block with one f16
 # scale; q8_0 = 34 bytes per block, q4_0 = 18). llama.cpp has no 2-bit KV cache type.
@@ -32,6 +32,35 @@ KV_BYTES_PER_VALUE: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 
 DEFAULT_KV_TOKENS = 4096
 KV_TOKENS_PER_SLOT = 1024
 
+# llama.cpp's batch sizes when the plan sets none (common_params' defaults: xllamacpp.CommonParams()
+# reads n_batch 2048, n_ubatch 512). n_batch caps the tokens of one llama_decode call (the server
+# puts every slot's tokens of a step in one); n_ubatch caps one forward pass within it.
+N_BATCH_DEFAULT = 2048
+N_UBATCH_DEFAULT = 512
+
+
+def batch_problems(n_batch: int | None, n_ubatch: int | None) -> dict[str, str]:
+    """What is wrong with a pair of llama.cpp batch sizes (None = llama.cpp's default): the field
+    name -> why, with what is allowed. Empty when llama.cpp runs them as given.
+
+    llama.cpp does not refuse ``n_ubatch > n_batch``: it silently runs ``min(n_batch, n_ubatch)``
+    (llama_context's constructor), so such a plan would not say what was measured.
+
+    Example:
+        >>> batch_problems(256, 512)["n_ubatch"][:24]
+        'exceeds n_batch=256 and '
+    """
+    out = {name: "is not a token count >= 1 (or null: llama.cpp's default)" for name, value in (("n_batch", n_batch), ("n_ubatch", n_ubatch))
+           if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1)}
+    if out or n_ubatch is None:
+        return out
+    batch = N_BATCH_DEFAULT if n_batch is None else n_batch
+    if n_ubatch > batch:
+        given = f"n_batch={n_batch}" if n_batch is not None else f"llama.cpp's default n_batch of {N_BATCH_DEFAULT}"
+        out["n_ubatch"] = (f"exceeds {given} and llama.cpp needs n_ubatch <= n_batch (a forward pass is a slice of one decode call; "
+                           f"it would silently run {batch}). Lower n_ubatch or raise n_batch to at least {n_ubatch}")
+    return out
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -45,6 +74,8 @@ class ServerSettings:
     cache_type: str  # K and V cache type (f16 | q8_0 | q4_0)
     flash_attention: str = "auto"  # auto | on | off (llama.cpp's flash_attn_type)
     prefix_cache: bool = False  # reuse a prompt prefix's KV across requests (llama.cpp's prompt cache)
+    n_batch: int | None = None  # tokens per llama_decode call; None = llama.cpp's default (N_BATCH_DEFAULT)
+    n_ubatch: int | None = None  # tokens per forward pass; None = llama.cpp's default (N_UBATCH_DEFAULT)
 
     @property
     def context_per_request(self) -> int:
@@ -82,6 +113,15 @@ def refusals(plan: Plan) -> list[str]:
         no("hardware.compile", hw.compile, "torch.compile applies to torch models only; llama.cpp's kernels are compiled ahead of time")
     if hw.flash_attention not in FLASH_ATTENTION:
         no("hardware.flash_attention", hw.flash_attention, f"llama.cpp's flash attention is one of {list(FLASH_ATTENTION)}")
+    for name, why in batch_problems(hw.n_batch, hw.n_ubatch).items():
+        no(f"hardware.{name}", getattr(hw, name), why)
+    kv_tokens = _kv_tokens(plan)
+    for name in ("n_batch", "n_ubatch"):
+        value = getattr(hw, name)
+        if isinstance(value, int) and value > kv_tokens:
+            # llama_context runs min(n_ctx, n_batch) for a causal model: the excess is never used.
+            no(f"hardware.{name}", value, f"exceeds the plan's KV cache of {kv_tokens} tokens (n_ctx), to which llama.cpp silently lowers it; "
+               "set at most that, or raise model.context_cap")
     for name in ("runtime_path", "runtime_url"):
         if getattr(hw, name) is not None:
             no(f"hardware.{name}", getattr(hw, name), "where to find vLLM; llama.cpp runs in this process from the xllamacpp package")
@@ -127,28 +167,39 @@ def refusals(plan: Plan) -> list[str]:
     return out
 
 
-def server_settings(plan: Plan, model_path: str, *, physical_cores: int | None = None) -> ServerSettings:
-    """The load-time settings for ``plan``. ``physical_cores`` resolves ``threads: auto``."""
+def _slots(plan: Plan) -> int:
+    """llama.cpp's n_parallel: as many slots as the transformers server admits requests
+    (max_concurrency, else its default), so both runtimes run the same number at once."""
     from ...serving.server import in_flight_limit
 
+    return in_flight_limit(plan.scheduling)
+
+
+def _kv_tokens(plan: Plan) -> int:
+    """n_ctx: the tokens the whole KV cache holds. A context cap is a per-request limit, so each
+    slot owns exactly that many tokens; without one the slots share one pool."""
+    slots, cap = _slots(plan), plan.model.context_cap
+    return cap * slots if cap else max(DEFAULT_KV_TOKENS, KV_TOKENS_PER_SLOT * slots)
+
+
+def server_settings(plan: Plan, model_path: str, *, physical_cores: int | None = None) -> ServerSettings:
+    """The load-time settings for ``plan``. ``physical_cores`` resolves ``threads: auto``."""
     hw, m, s = plan.hardware, plan.model, plan.scheduling
     threads = hw.threads
     if threads == "auto":
         threads = physical_cores
-    # Continuous batching gets as many slots as the transformers server admits requests
-    # (max_concurrency, else its default), so both runtimes run the same number at once.
-    slots = in_flight_limit(s)
     cache_type = KV_CACHE_TYPES[m.kv_bits] if m.kv_cache == "quantized" else "f16"
     return ServerSettings(
         model_path=model_path,
         threads=threads if isinstance(threads, int) else None,
-        slots=slots,
-        # A context cap is a per-request limit: each slot owns exactly that many tokens.
-        kv_tokens=m.context_cap * slots if m.context_cap else max(DEFAULT_KV_TOKENS, KV_TOKENS_PER_SLOT * slots),
+        slots=_slots(plan),
+        kv_tokens=_kv_tokens(plan),
         unified=m.context_cap is None,
         cache_type=cache_type,
         flash_attention=hw.flash_attention,
         prefix_cache=s.prefix_cache,
+        n_batch=hw.n_batch,
+        n_ubatch=hw.n_ubatch,
     )
 
 
@@ -161,6 +212,10 @@ def common_params(settings: ServerSettings) -> Any:
     p.n_parallel = settings.slots
     p.kv_unified = settings.unified
     p.n_ctx = settings.kv_tokens
+    if settings.n_batch is not None:
+        p.n_batch = settings.n_batch
+    if settings.n_ubatch is not None:
+        p.n_ubatch = settings.n_ubatch
     if settings.threads is not None:
         p.cpuparams.n_threads = settings.threads
         p.cpuparams_batch.n_threads = settings.threads  # prefill uses the batch thread pool

@@ -180,6 +180,8 @@ class TransformersEngine(Engine):
                  "hardware.runtime_path": (hw.runtime_path, None, "where to find vLLM"), "hardware.runtime_url": (hw.runtime_url, None, "a running vLLM server"),
                  "hardware.tensor_parallel": (hw.tensor_parallel, 1, "vLLM's tensor parallelism (transformers places layers with device_map)"),
                  "hardware.pipeline_parallel": (hw.pipeline_parallel, 1, "vLLM's pipeline parallelism (transformers places layers with device_map)"),
+                 "hardware.n_batch": (hw.n_batch, None, "llama.cpp's tokens per decode call; transformers' continuous batching takes its tokens per step from scheduling.cb_max_batch_tokens (batching pass, max_batch_tokens)"),
+                 "hardware.n_ubatch": (hw.n_ubatch, None, "llama.cpp's tokens per forward pass; transformers runs a prompt's prefill in one forward pass"),
                  "scheduling.prefix_cache": (plan.scheduling.prefix_cache, False, "cross-request prefix reuse is a llama.cpp / vLLM server feature")}
         bad = [f"{name}={value!r}: {why}" for name, (value, default, why) in other.items() if value != default]
         if plan.model.kv_backend == "native":

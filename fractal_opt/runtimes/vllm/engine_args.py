@@ -38,6 +38,8 @@ FIELDS: dict[str, str] = {
     "hardware.tensor_parallel": "arg",
     "hardware.pipeline_parallel": "arg",
     "hardware.flash_attention": "refuse",
+    "hardware.n_batch": "refuse",
+    "hardware.n_ubatch": "refuse",
     "hardware.device": "env",
     "hardware.device_map": "refuse",
     "hardware.max_memory": "refuse",
@@ -141,6 +143,10 @@ def refusals(plan: Any) -> list[str]:
         out.append(f"model.quant_sensitivity_max_kl={m.quant_sensitivity_max_kl}: needs per-module skips, which vLLM's on-load quantization does not take.")
     if hw.flash_attention != "auto":
         out.append(f"hardware.flash_attention={hw.flash_attention!r}: llama.cpp's flash-attention switch; vLLM chooses its own attention backend (flash attention on GPUs that have it).")
+    if hw.n_batch is not None:
+        out.append(f"hardware.n_batch={hw.n_batch}: llama.cpp's tokens per decode call; vLLM's tokens per step is scheduling.cb_max_batch_tokens (batching pass, max_batch_tokens -> --max-num-batched-tokens).")
+    if hw.n_ubatch is not None:
+        out.append(f"hardware.n_ubatch={hw.n_ubatch}: llama.cpp's tokens per forward pass; vLLM has no physical batch size apart from its tokens per step (scheduling.cb_max_batch_tokens).")
     if m.kv_cache in ("offloaded", "off"):
         out.append(f"model.kv_cache={m.kv_cache!r}: vLLM always keeps a paged KV cache in device memory.")
     elif m.kv_cache == "quantized":
