@@ -1,13 +1,16 @@
-"""Markdown for the measurement side of report.md: noise calibration, latency percentiles and the roofline.
+"""Markdown for the measurement side of report.md: noise calibration, latency percentiles, the roofline, and what one user gets.
 
 Called by :meth:`fractal_opt.trace.Trace.to_markdown`; reads only what trace.json stores.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["busy_warning", "calibration_lines", "measurement_lines"]
+from . import one_user
+
+__all__ = ["busy_warning", "calibration_lines", "final_one_user_lines", "measurement_lines", "one_user_lines"]
 
 # The calibration metrics the report spells out (trace.json keeps all of them).
 _CALIBRATED = ("decode_tokens_per_s", "ttft_ms", "prefill_ms", "e2e_ms", "throughput_tokens_per_s", "peak_memory_mb")
@@ -100,3 +103,38 @@ def measurement_lines(steps: list[Any]) -> list[str]:
         else:
             out += ["", f"GPU utilization, power and energy: {status}."]
     return [*out, ""]
+
+
+def one_user_lines(baseline: Any, steps: Sequence[Any]) -> list[str]:
+    """What one interactive user got from each measured step (:mod:`.one_user`): TTFT, streaming
+    speed and the whole answer, the previous plan's numbers next to the step's. The baseline
+    shows its own numbers; a skipped or failed step shows nothing. Empty when no step has them."""
+    previous = one_user.previous_plans(baseline, steps)
+    rows = []
+    if baseline is not None and baseline.metrics and (text := one_user.summary(None, baseline.metrics)):
+        rows.append(f"- baseline: {text}")
+    for s, prev in zip(steps, previous):
+        if prev is None or not (text := one_user.summary(prev.metrics, s.metrics)):
+            continue
+        rows.append(f"- {s.layer}/{s.label()}, {s.status.replace('_', ' ')}: {text} ({prev.source()})")
+    if not rows:
+        return []
+    head = (f"What one user gets, per request as one user saw it {one_user.under([baseline, *steps])}. TTFT and answer are p50 over "
+            "requests and rounds, streams is the median request's decode tokens/s; previous plan -> this step, each % computed from "
+            "the two numbers next to it (the verdict's paired estimates are in the table above):")
+    return [head, "", *rows, ""]
+
+
+def final_one_user_lines(final: Mapping[str, Any]) -> list[str]:
+    """The one-user line of the final confirmation, baseline -> final plan (medians of the same
+    rounds); empty unless the confirmation measured them."""
+    metrics = (final.get("confirmation") or {}).get("metrics") or {}
+    if final.get("status") not in ("confirmed", "not_confirmed"):
+        return []
+    before = {m: (metrics.get(m) or {}).get("baseline_median") for m, *_ in one_user.FIGURES}
+    after = {m: (metrics.get(m) or {}).get("final_median") for m, *_ in one_user.FIGURES}
+    text = one_user.summary(before, after)
+    if not text:
+        return []
+    return ["", (f"One user, baseline -> final plan (medians of the confirmation's rounds; each % computed from the two numbers next to it, "
+                 f"the paired estimates are in the table above): {text}."), ""]

@@ -3,8 +3,9 @@
 What it shows, top to bottom: the final plan against the baseline; the tower (each step coloured
 by its verdict); per layer a waterfall of its objective from the baseline to the final plan with
 each step's noise band; decode tokens/s against the bandwidth ceiling (the roofline); TTFT / ITL /
-e2e percentiles; quality against its guards; every step with its full reason; the noise
-calibration and the machine. It reads only what trace.json stores, so an old trace renders too.
+e2e percentiles; quality against its guards; every step with its full reason and what one user got
+from it (:mod:`.one_user`); the noise calibration and the machine. It reads only what trace.json
+stores, so an old trace renders too.
 
 :func:`render_html` is the whole page; :func:`render_fragment` the same content for a notebook
 (``Trace._repr_html_``), its styles scoped to the fragment.
@@ -18,6 +19,7 @@ from typing import Any
 from ..errors import RecipeError
 from ..passes import Layer
 from ..policy import QUALITY_METRICS, Guard, Policy
+from . import one_user
 from .confirm import final_lines
 from .labels import pass_label
 from .report_svg import COLOURS, LABEL_W, Bar, Svg, data_attrs, esc, fmt_num, hbar_chart, is_num, nice_max, range_chart
@@ -51,6 +53,7 @@ CSS = """
 .fo-report table { border-collapse: collapse; font-size: 12px; margin: 8px 0; }
 .fo-report th, .fo-report td { border: 1px solid #ddd; padding: 3px 6px; text-align: left; vertical-align: top; }
 .fo-report td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.fo-report tr.one-user td { border-top: none; color: #333; } .fo-report tr.one-user small { color: #666; }
 .fo-report .legend span { display: inline-block; margin-right: 14px; font-size: 12px; }
 .fo-report .legend i { display: inline-block; width: 12px; height: 12px; margin-right: 4px; vertical-align: -1px; }
 .fo-report svg.chart { display: block; margin: 6px 0; max-width: 100%; height: auto; }
@@ -212,7 +215,32 @@ def _summary(trace: Trace) -> list[str]:
         out.append(f'<div class="card"><div class="k">{esc(name)}</div><div class="v"><span{a_attr}>{esc(fmt_num(a))}</span> {delta}</div>'
                    f'<div class="k">baseline <span{b_attr}>{esc(fmt_num(b))}</span></div></div>')
     out.append("</div>")
-    return out
+    return out + _final_one_user(final)
+
+
+def _final_one_user(final: dict[str, Any]) -> list[str]:
+    """One user, baseline -> final plan, from the confirmation's medians (same rounds); nothing unless it measured them."""
+    metrics = (final.get("confirmation") or {}).get("metrics") or {}
+    if final.get("status") not in ("confirmed", "not_confirmed"):
+        return []
+    pick = {m: (metrics.get(m) or {}) for m, *_ in one_user.FIGURES}
+    figs = one_user.figures({m: e.get("baseline_median") for m, e in pick.items()}, {m: e.get("final_median") for m, e in pick.items()})
+    parts = [_figure_html(f, ("final", f"confirmation.metrics.{f.metric}.baseline_median"), ("final", f"confirmation.metrics.{f.metric}.final_median"))
+             for f in figs if f.after is not None]
+    if not parts:
+        return []
+    return [(f'<p class="note">One user, baseline → final plan (medians of the confirmation\'s rounds; each % computed from the two numbers '
+             f'next to it, not the paired estimate): {", ".join(parts)}.</p>')]
+
+
+def _figure_html(f: one_user.Figure, before: tuple[str, str], after: tuple[str, str]) -> str:
+    """``TTFT 455 → 612 ms (+35%)``, each number tied to trace.json by its (step, path)."""
+    a = f"<span{data_attrs(*after, f.after, f.scale)}>{esc(f.after_text)}</span>"
+    if f.before is None:
+        return f"{esc(f.name)} {a} {esc(f.unit)}"
+    b = f"<span{data_attrs(*before, f.before, f.scale)}>{esc(f.before_text)}</span>"
+    change = f.change
+    return f"{esc(f.name)} {b} → {a} {esc(f.unit)}" + (f" ({change:+.0%})" if change is not None else "")
 
 
 def _legend() -> str:
@@ -417,14 +445,41 @@ def _steps_table(steps: list[tuple[str, Step]], policy: Policy) -> list[str]:
     cols = (("decode_tokens_per_s", "decode tok/s"), ("ttft_ms", "TTFT ms"), ("e2e_ms", "e2e ms"), ("throughput_tokens_per_s", "throughput tok/s"),
             ("peak_memory_mb", "peak MB"), ("weight_mb", "weights MB"))
     head = "<tr><th>#</th><th>layer</th><th>pass</th><th>verdict</th>" + "".join(f"<th>{esc(h)}</th>" for _, h in cols) + "<th>KL</th><th>reason</th></tr>"
+    users = _one_user_cells(steps)
     body = []
     for i, s in steps:
         colour = COLOURS.get(s.status, COLOURS["other"])
         cells = "".join(_cell(i, s.metrics, k) for k, _ in cols) + _cell(i, s.metrics, "quality.kl_mean", "{:.4f}")
         body.append(f'<tr data-step="{i}"><td>{i}</td><td>{esc(s.layer)}</td><td>{esc(_label(s))}</td>'
                     f'<td style="color:{colour};font-weight:600">{esc(STATUS_TEXT.get(s.status, s.status))}</td>{cells}<td>{esc(s.reason)}</td></tr>')
-    return ["<h2>Every step</h2>", '<p class="note">Medians; the reason is the verdict\'s, in full. trace.json holds every number.</p>',
+        if i in users:  # the line under its step: what one user got, previous plan -> this step
+            body.append(f'<tr class="one-user" data-one-user="{i}"><td></td><td colspan="{len(cols) + 5}">{users[i]}</td></tr>')
+    base = next((s for i, s in steps if i == "0"), None)
+    return ["<h2>Every step</h2>", ('<p class="note">Medians; the reason is the verdict\'s, in full. trace.json holds every number. '
+            f"Under each measured step, what one user got: per request as one user saw it {esc(one_user.under([base, *(s for _, s in steps)]))}; "
+            "TTFT and answer are p50 over requests and rounds, streams the median request's decode tokens/s; previous plan → this step, "
+            "each % computed from the two numbers next to it (the verdict's paired estimates are in its reason).</p>"),
             f"<table>{head}{''.join(body)}</table>"]
+
+
+def _one_user_cells(steps: list[tuple[str, Step]]) -> dict[str, str]:
+    """Per step index, the one-user cell (:mod:`.one_user`): the baseline's own numbers, each
+    measured step's next to the plan it was judged against; none for a skipped or failed step."""
+    base = next((s for i, s in steps if i == "0"), None)
+    rest = [(i, s) for i, s in steps if i != "0"]
+    out: dict[str, str] = {}
+    if base is not None and base.metrics:
+        figs = [_figure_html(f, ("0", ""), ("0", f"metrics.{f.metric}")) for f in one_user.figures(None, base.metrics) if f.after is not None]
+        if figs:
+            out["0"] = "<b>one user</b>: " + ", ".join(figs)
+    for (i, s), prev in zip(rest, one_user.previous_plans(base, [s for _, s in rest])):
+        if prev is None:
+            continue
+        figs = [_figure_html(f, (prev.step, f"{prev.path}.{f.metric}"), (i, f"metrics.{f.metric}")) for f in one_user.figures(prev.metrics, s.metrics)
+                if f.after is not None]
+        if figs:
+            out[i] = "<b>one user</b>: " + ", ".join(figs) + f' <small>({esc(prev.source())})</small>'
+    return out
 
 
 def _calibration(trace: Trace, policy: Policy) -> list[str]:

@@ -318,6 +318,8 @@ class Pipeline:
         step.metrics = _metrics(after, quality)
         step.metrics["weight_mb"] = round(step.census["weight_bytes"] / 2**20, 1)
         step.metrics.update(intervals=cmp.intervals, comparison=cmp.info, roofline=self._steps.roofline(engine, after))
+        if cmp.info.get("mode") == "interleaved":  # the previous plan in the same rounds (one_user reads it); back to back it is an older measurement
+            step.metrics["previous"] = cmp.before.summary()
         before_values = {**_metrics(cmp.before, self._current_quality), "weight_mb": self._weight_mb, **self._current_quality}
         after_values = {**step.metrics, **quality}
         changes = cmp.changes

@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import FractalOptError
 from .confirm import final_lines
 from .labels import pass_label
-from .report import calibration_lines, measurement_lines
+from .report import calibration_lines, final_one_user_lines, measurement_lines, one_user_lines
 from .run_info import now, run_info
 from .targets import target_lines, target_summary
 
@@ -238,9 +238,11 @@ class Trace:
         lines.append("")
         lines += _work_table([self.baseline] if self.baseline else [], self.steps)
         lines += _load_table([self.baseline] if self.baseline else [], self.steps)
+        lines += one_user_lines(self.baseline, self.steps)  # --- what one user gets per step (issue 16, pipeline/one_user.py)
         lines += measurement_lines(([self.baseline] if self.baseline else []) + self.steps)
         lines += _guard_lines(self.steps)  # --- the guards in force per step (engineer B, issue 16)
         lines += final_lines(self.final)  # --- final vs baseline, only from the final confirmation (engineer B, pipeline/confirm.py)
+        lines += final_one_user_lines(self.final)  # --- the same, for one user (issue 16)
         lines += [f"Search: {s['answer']} ({s['summary']})." for s in self.searches]  # --- a search pass's answer (engineer D, issue 16)
         # --- targets (issue 15, pipeline/targets.py): the gap per step and which were met
         lines += [""] + target_lines(self.recipe, self.baseline, self.steps, self.final) if self.recipe.get("targets") else []
