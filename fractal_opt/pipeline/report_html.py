@@ -22,6 +22,7 @@ from ..policy import QUALITY_METRICS, Guard, Policy
 from . import one_user
 from .confirm import final_lines
 from .labels import pass_label
+from .run_info import wall_time
 from .report_svg import COLOURS, LABEL_W, Bar, Svg, data_attrs, esc, fmt_num, hbar_chart, is_num, nice_max, range_chart
 
 # A pipeline.trace.Trace and its Steps, read by attribute only: trace.py renders through this
@@ -159,7 +160,8 @@ def _header(trace: Trace) -> str:
            + (f", load profile {esc((wl.get('load') or {}).get('mode'))}" if wl.get("load") else "") + ".</p>"]
     bits = []
     if run.get("started_at"):
-        bits.append(f"run {esc(run.get('started_at'))} → {esc(run.get('ended_at') or 'not finished')}")
+        took = wall_time(run) if trace.finished else None
+        bits.append(f"run {esc(run.get('started_at'))} → {esc(run.get('ended_at') or 'not finished')}" + (f" (wall time {esc(took)})" if took else ""))
     if versions:
         bits.append(", ".join(f"{esc(k)} {esc(v)}" for k, v in versions.items() if v))
     if model.get("sha256"):

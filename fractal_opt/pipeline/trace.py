@@ -18,7 +18,7 @@ from ..errors import FractalOptError
 from .confirm import final_lines
 from .labels import pass_label
 from .report import calibration_lines, final_one_user_lines, measurement_lines, one_user_lines
-from .run_info import now, run_info
+from .run_info import now, run_info, wall_time
 from .targets import target_lines, target_summary
 
 __all__ = ["SCHEMA_VERSION", "Step", "Trace", "TraceSchemaError"]
@@ -228,6 +228,8 @@ class Trace:
             lines += [f"Machine: {m.get('cpu')}, {m.get('logical_cores')} logical / {m.get('physical_cores')} physical cores, "
                       f"{(m.get('memory_bytes') or 0) / 2**30:.1f} GiB RAM, GPUs: {', '.join(m.get('cuda_devices') or []) or 'none'}; "
                       f"torch {m.get('packages', {}).get('torch')}, transformers {m.get('packages', {}).get('transformers')}.", ""]
+        if self.finished and (took := wall_time(self.run or {})):
+            lines += [f"Wall time: {took} (this run on this machine, {self.run['started_at']} -> {self.run['ended_at']}).", ""]
         wl = self.recipe.get("workload", {})
         lines += [f"Workload: suite `{wl.get('suite')}`, {wl.get('max_new_tokens')} new tokens max, {wl.get('repeats')} repeats after {wl.get('warmup')} warm-up. "
                   "Numbers are medians; (±%) is the change against the previous kept plan; KL and agreement are against the baseline.", ""]

@@ -183,3 +183,17 @@ def test_quiet_third_party_leaves_user_settings(monkeypatch):
     import os
 
     assert os.environ["TRANSFORMERS_VERBOSITY"] == "info" and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+
+
+def test_report_md_and_html_state_the_wall_time_of_a_finished_run():
+    """A finished run's report says how long it took, from the trace's own start and end times; an
+    unfinished one says nothing about it."""
+    from fractal_opt.pipeline.report_html import render_html
+
+    data = json.loads(_trace().to_json())
+    data["run"].update(started_at="2026-12-01T14:49:17+00:00", ended_at="2026-12-01T15:05:18+00:00")
+    trace = Trace.from_dict(data)
+    assert "Wall time: 16 min 1 s" in trace.to_markdown()
+    assert "wall time 16 min 1 s" in render_html(trace)
+    data["finished"] = False
+    assert "Wall time" not in Trace.from_dict(data).to_markdown()
