@@ -18,8 +18,9 @@ class Progress:
     """A live status line on stderr (a plain line per update when stderr is not a terminal).
 
     Each line shows the elapsed time and, once a step has finished, an estimate of the time left:
-    the mean time of the finished steps times the steps still to run (the baseline and its A/A
-    calibration are not counted as a step). The estimate is hand-rolled rather than tqdm's because
+    the mean time of the finished steps times the steps still to run, less the time the current
+    step has taken so far, but never less than the mean for the steps after it (the baseline and
+    its A/A calibration are not counted as a step). The estimate is hand-rolled rather than tqdm's because
     the runner reports messages, not iterations, and a step's messages arrive from several places.
 
     Example:
@@ -38,6 +39,7 @@ class Progress:
         self.t0 = time.perf_counter()
         self._step: tuple[int, int] | None = None  # (index, total) of the step under way
         self._step_t0: float | None = None  # when the first step began (the baseline's time excluded)
+        self._current_t0: float | None = None  # when the step under way began
 
     def eta(self, now: float | None = None) -> float | None:
         """Seconds left by the mean pace of the finished steps; None before one finished."""
@@ -48,8 +50,10 @@ class Progress:
         if done < 1:
             return None
         now = time.perf_counter() if now is None else now
-        per_step = (now - self._step_t0) / done  # the current step's time so far counts against the mean: a slow step raises the ETA
-        return max(per_step * (total - done), 0.0)
+        current_t0 = self._current_t0 if self._current_t0 is not None else now
+        per_step = (current_t0 - self._step_t0) / done  # finished steps only: a partial step does not inflate the mean
+        in_step = now - current_t0
+        return max(per_step * (total - done) - in_step, per_step * (total - index), 0.0)
 
     def status(self, message: str) -> str:
         """The line for ``message``: elapsed time, step count and ETA, then the message."""
@@ -58,6 +62,8 @@ class Progress:
             index, total = int(m.group(1)), int(m.group(2))
             if self._step_t0 is None:
                 self._step_t0 = now
+            if self._step is None or self._step[0] != index:
+                self._current_t0 = now
             self._step = (index, total)
             rest = message[m.end():]
             message = rest[1:].lstrip() if rest.startswith("]") else message  # "[4/6] x" -> "x"; a sub-step's label stays whole

@@ -197,3 +197,19 @@ def test_report_md_and_html_state_the_wall_time_of_a_finished_run():
     assert "wall time 16 min 1 s" in render_html(trace)
     data["finished"] = False
     assert "Wall time" not in Trace.from_dict(data).to_markdown()
+
+
+def test_the_eta_counts_finished_steps_only_and_falls_as_a_step_goes_on(monkeypatch):
+    """A long current step neither inflates the mean step time nor drives the ETA below the steps still to come."""
+    clock = iter([0.0, 0.0, 10.0, 15.0, 40.0])
+    monkeypatch.setattr("fractal_opt.pipeline.progress.time.perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    p = Progress(stream=out)  # t0 = 0
+    p("[1/3] a: building")  # 0 s
+    p("[2/3] b: building")  # 10 s: one step took 10 s; two remain (20 s)
+    p("[2/3] b: measuring")  # 15 s into b: 20 - 5 = 15 s left
+    p("[2/3] b: still measuring")  # b is slow (30 s so far): at least the last step's mean, 10 s
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith("[10s · step 2/3 · ETA 20s]")
+    assert lines[2].startswith("[15s · step 2/3 · ETA 15s]")
+    assert lines[3].startswith("[40s · step 2/3 · ETA 10s]")
