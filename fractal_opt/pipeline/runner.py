@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 import time
 import traceback
 from collections.abc import Callable
@@ -338,7 +339,7 @@ class Pipeline:
         step.status = "kept" if kept else "rolled_back"
         if "compile_s" in step.timings:  # a start-up cost the numbers exclude: shown where the verdict is read
             step.reason += f" Start-up: compiling took {step.timings['compile_s']:.1f} s (excluded from the numbers above)."
-        self.progress(f"{label}: {step.status.replace('_', ' ')} ({step.reason[:150]})")
+        self.progress(f"{label}: {step.status.replace('_', ' ')} ({_clip(step.reason, 160)})")
         checkpoint()  # a worker past its deadline leaves the engines and the kept state alone
         self._steps.after_verdict(kept, engine, candidate if kept else self._plan, mode)
         if kept:
@@ -488,7 +489,7 @@ class Pipeline:
         step.status = "failed"
         step.reason = _failure_text(e, self._stage, self.recipe.policy.timeout_s)
         step.timings["traceback"] = "".join(traceback.format_exception(e, limit=-4))[-2000:]  # type: ignore[assignment]
-        self.progress(f"{label}: failed ({step.reason[:120]})")
+        self.progress(f"{label}: failed ({_clip(step.reason, 160)})")
 
     def _fail_baseline(self, e: BaseException) -> None:
         """The baseline failed: record it (trace.json finished, the failure as the baseline step) and end the run."""
@@ -497,7 +498,7 @@ class Pipeline:
                                     timings={"traceback": "".join(traceback.format_exception(e, limit=-4))[-2000:]})  # type: ignore[dict-item]
         self._trace.finished = True
         self._save()
-        self.progress(f"baseline: failed ({reason[:120]})")
+        self.progress(f"baseline: failed ({_clip(reason, 160)})")
         if isinstance(e, RecipeError | ModelSourceError):
             raise e  # bad input keeps its own message and exit code
         where = f" {self.out_dir / 'trace.json'} records it." if self.out_dir is not None else ""
@@ -686,3 +687,9 @@ def optimize(recipe: Recipe | str | Path | dict, *, out: str | Path | None = Non
     """
     quiet_third_party()  # load bars and import-time warnings would bury the progress line (as in the CLI)
     return Pipeline(recipe, out_dir=out, progress=progress, stop_at_target=stop_at_target, wait_quiet=wait_quiet, resume=resume, force=force).run()
+
+
+def _clip(text: str, width: int) -> str:
+    """``text`` cut at a word boundary to at most ``width`` characters, ending "… [report.md]" when
+    cut: the progress line stays one screen line, and the whole reason is in the report."""
+    return textwrap.shorten(text, width, placeholder=" … [report.md]")
