@@ -69,6 +69,8 @@ class _SleepyStreamer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fractal_opt.policy import Policy
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=20, help="trials of each kind (default 20)")
     parser.add_argument("--requests", type=int, default=2, help="requests of the default suite per round (default 2, the short ones)")
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per comparison (default 3)")
     parser.add_argument("--max-rounds", type=int, default=None, help="adaptive budget (default: --rounds, no extension)")
     parser.add_argument("--slowdown", type=float, default=0.10, help="extra time per decode step, as a fraction of the measured step (default 0.10)")
-    parser.add_argument("--min-effect", type=float, default=0.03, help="policy.min_effect (default 0.03)")
+    parser.add_argument("--min-effect", type=float, default=Policy.min_effect, help=f"policy.min_effect (default {Policy.min_effect}, the policy's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared machine a second OpenMP thread spin-waits against other jobs, tests/conftest.py)")
     args = parser.parse_args(argv)
 
