@@ -11,6 +11,15 @@ and round. The metrics are defined in :mod:`fractal_opt.measure.metrics`.
 ``load`` profile, ``LoadRounds`` sends that load through a server. The runner wraps either in the
 same memory, GPU and CPU windows and computes the same per-repeat readings.
 
+Each warm-up and round is served on a thread of its own that ends with it (:func:`in_own_thread`).
+torch and llama.cpp load the same OpenMP runtime (libgomp; torch ships a ``libgomp.so.1`` and the
+xllamacpp wheel links one, and the process loads one copy), and libgomp keeps the worker threads of
+every live thread that ran a parallel region. Once those outnumber the cores it cuts every
+thread's spin-wait between kernels to almost nothing: llama.cpp then decodes at well under half its
+speed (measured: 80.6 tokens/s, then 32.4 after 20 torch matmuls on the main thread, 86.1 when the
+same matmuls ran on a thread that had ended). A round on a thread that ends releases its workers,
+so the transformers rounds of a comparison do not slow the llama.cpp rounds next to them.
+
 Example:
     >>> m = measure(engine, Workload(repeats=3))                 # doctest: +SKIP
     >>> m.summary()["decode_tokens_per_s"]                       # doctest: +SKIP
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,7 +42,50 @@ if TYPE_CHECKING:
     from ..engine.protocol import Engine
     from ..workload import Request, Workload
 
-__all__ = ["Runner", "measure", "measure_pair", "paired_changes"]
+__all__ = ["Runner", "in_own_thread", "measure", "measure_pair", "paired_changes"]
+
+
+def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on a new thread that ends when it returns; its result or its exception.
+
+    Why: OpenMP (libgomp) keeps a pool of worker threads per live thread that ran a parallel
+    region, and counts them all against the cores (see the module's note); a thread that ends frees
+    its pool, so work done here leaves no workers behind to slow the next engine's round.
+    """
+    out: list[Any] = []
+    error: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            out.append(fn(*args))
+        except BaseException as e:  # noqa: BLE001 (re-raised on the calling thread)
+            error.append(e)
+
+    thread = threading.Thread(target=work, name="fractal-opt-round", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            # Short waits, not one join(): the calling thread runs Python between them, so an
+            # exception raised into it asynchronously (the pipeline's step timeout) arrives here.
+            thread.join(0.05)
+    except BaseException as e:
+        _raise_in(thread, type(e))  # and stops the round's own Python code the same way
+        raise
+    if error:
+        raise error[0]
+    return out[0]
+
+
+def _raise_in(thread: threading.Thread, kind: type[BaseException]) -> None:
+    """Raise ``kind`` in ``thread`` at its next Python instruction (CPython; elsewhere a no-op)."""
+    if not thread.is_alive() or thread.ident is None:
+        return
+    try:
+        import ctypes
+
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(kind))
+    except (AttributeError, TypeError, ValueError):
+        pass
 
 class Runner:
     """Measures one engine, one timed round at a time: ``warm_up()``, ``round()``, ``result()``.
@@ -65,7 +118,7 @@ class Runner:
         self.activate_s += self.engine.activate()
         t0 = time.perf_counter()
         for _ in range(self.workload.warmup):
-            self.source.warm_up()
+            in_own_thread(self.source.warm_up)
         self.warmup_s += time.perf_counter() - t0
 
     def round(self) -> None:
@@ -74,7 +127,7 @@ class Runner:
         self.engine.reset_response_cache()  # every round starts cold: hits come from repeats within the round
         cpu0 = os.times()
         with MemoryWindow(self.device) as mem, GpuMonitor(self.device) as gpu:
-            served = self.source.serve(r)
+            served = in_own_thread(self.source.serve, r)
         cpu1 = os.times()
         self.source.check_memory(mem.peak_mb, self.capacity_mb)
         cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
