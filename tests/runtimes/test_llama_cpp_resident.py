@@ -23,6 +23,11 @@ class _FakeServer:
 
     def __init__(self, params: object):
         self.params = params
+        self.requests: list[dict] = []
+
+    def handle_completions(self, body: dict) -> dict:
+        self.requests.append(body)
+        return {}
 
 
 @pytest.fixture(autouse=True)
@@ -43,6 +48,7 @@ def test_loading_a_second_server_drops_the_first(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(llama_engine, "common_params", lambda settings: settings)
     a, b = _resident(1), _resident(2)
     first_a = weakref.ref(a.server())
+    assert first_a().requests and first_a().requests[0]["max_tokens"] == 1  # served once before it counts as loaded
     assert a.load() == 0.0  # already resident: nothing to do
     b.server()
     gc.collect()

@@ -390,6 +390,7 @@ class _Resident:
             gc.collect()  # the other server's threads stop here, before this one starts its own
             start = time.perf_counter()
             server = self.server_class(common_params(self.settings))
+            _wait_until_serving(server)
             _SERVERS[self.settings] = (server, self.weights_key)
             self.loads += 1
             return server, time.perf_counter() - start
@@ -399,6 +400,18 @@ class _Resident:
 
     def handle_completions(self, body: dict[str, Any]) -> Any:
         return self.server().handle_completions(body)
+
+
+def _wait_until_serving(server: Any) -> None:
+    """Return once ``server``'s request loop runs, by serving one 1-token completion through it.
+
+    Why: ``xllamacpp.Server()`` returns before its loop thread has entered the loop, and a server
+    destroyed in that window never sees the stop and its destructor waits forever, holding the GIL
+    (measured: 25 create-and-drop cycles hung at the second without this request, and all 25
+    passed with it). The one-resident rule drops a server as soon as another plan is built, so
+    that window is hit in practice.
+    """
+    server.handle_completions({"prompt": "a", "max_tokens": 1, "temperature": 0.0, "cache_prompt": False, "stream": False})
 
 
 def evict_except(keep: set[tuple]) -> None:
