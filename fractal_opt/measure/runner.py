@@ -209,7 +209,7 @@ def measure_pair(
             if settled(interval, min_effect=min_effect):
                 break
         if progress:
-            progress(f"round {r + 1}/{workload.repeats}" + (f" (extended, at most {budget})" if r >= workload.repeats else ""))
+            progress(f"round {r + 1}/{budget} (extended from {workload.repeats}: the interval is not settled yet)" if r >= workload.repeats else f"round {r + 1}/{workload.repeats}")
         for runner in ((a, b) if r % 2 == 0 else (b, a)):
             runner.round()
     return a.result(), b.result()
