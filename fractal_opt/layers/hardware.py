@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..batch_sizes import batch_problems
 from ..errors import RecipeError
 from ..machine import Machine, resolve_device
 from ..passes import Layer, Pass, register
@@ -115,8 +116,6 @@ class LlamaBatch(Pass):
     n_ubatch: int | None = field(default=None, metadata={"bounds": (1, MAX_TOKENS)})
 
     def __post_init__(self) -> None:
-        from ..runtimes.llama_cpp.settings import batch_problems  # pure; imports no xllamacpp
-
         if problems := batch_problems(self.n_batch, self.n_ubatch):
             msg = "; ".join(f"pass 'llama_batch', parameter {name!r}: got {getattr(self, name)!r}, which {why}" for name, why in problems.items())
             raise RecipeError(msg + ".")

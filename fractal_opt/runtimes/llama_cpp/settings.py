@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ...batch_sizes import N_BATCH_DEFAULT, N_UBATCH_DEFAULT, batch_problems
 from ...plan import Plan
 
 __all__ = ["KV_CACHE_TYPES", "N_BATCH_DEFAULT", "N_UBATCH_DEFAULT", "ServerSettings", "batch_problems", "common_params", "describe", "refusals", "request_body", "server_settings"]
@@ -32,34 +33,6 @@ KV_BYTES_PER_VALUE: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 
 DEFAULT_KV_TOKENS = 4096
 KV_TOKENS_PER_SLOT = 1024
 
-# llama.cpp's batch sizes when the plan sets none (common_params' defaults: xllamacpp.CommonParams()
-# reads n_batch 2048, n_ubatch 512). n_batch caps the tokens of one llama_decode call (the server
-# puts every slot's tokens of a step in one); n_ubatch caps one forward pass within it.
-N_BATCH_DEFAULT = 2048
-N_UBATCH_DEFAULT = 512
-
-
-def batch_problems(n_batch: int | None, n_ubatch: int | None) -> dict[str, str]:
-    """What is wrong with a pair of llama.cpp batch sizes (None = llama.cpp's default): the field
-    name -> why, with what is allowed. Empty when llama.cpp runs them as given.
-
-    llama.cpp does not refuse ``n_ubatch > n_batch``: it silently runs ``min(n_batch, n_ubatch)``
-    (llama_context's constructor), so such a plan would not say what was measured.
-
-    Example:
-        >>> batch_problems(256, 512)["n_ubatch"][:24]
-        'exceeds n_batch=256 and '
-    """
-    out = {name: "is not a token count >= 1 (or null: llama.cpp's default)" for name, value in (("n_batch", n_batch), ("n_ubatch", n_ubatch))
-           if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1)}
-    if out or n_ubatch is None:
-        return out
-    batch = N_BATCH_DEFAULT if n_batch is None else n_batch
-    if n_ubatch > batch:
-        given = f"n_batch={n_batch}" if n_batch is not None else f"llama.cpp's default n_batch of {N_BATCH_DEFAULT}"
-        out["n_ubatch"] = (f"exceeds {given} and llama.cpp needs n_ubatch <= n_batch (a forward pass is a slice of one decode call; "
-                           f"it would silently run {batch}). Lower n_ubatch or raise n_batch to at least {n_ubatch}")
-    return out
 
 
 @dataclass(frozen=True)
