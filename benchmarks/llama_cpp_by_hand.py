@@ -3,7 +3,8 @@
 Both paths run in this process on the same GGUF (the embedded SmolLM2-135M-Instruct) with the same
 llama.cpp settings (one slot, a 4096-token KV cache, the given threads, f16 KV cache, no prompt
 cache so every TTFT includes a full prefill), on the default suite's prompts, greedy, 32 new
-tokens, 1 warm-up + 3 timed rounds. Rounds are interleaved (hand, engine / engine, hand), so load
+tokens, 1 warm-up + 3 timed rounds, one llama.cpp server loaded at a time (each path's is loaded again
+before its round, untimed). Rounds are interleaved (hand, engine / engine, hand), so load
 from other processes falls on both alike.
 
 The hand-driven path is the plainest use of the binding: ``Server.handle_chat_completions`` with a
@@ -21,6 +22,7 @@ and the median of same-prompt same-round ratios) and the load average; exits 1 w
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -82,7 +84,7 @@ def main() -> int:
 
     from fractal_opt.models import resolve
     from fractal_opt.plan import HardwarePlan, Plan
-    from fractal_opt.runtimes.llama_cpp import LlamaCppEngine
+    from fractal_opt.runtimes.llama_cpp import LlamaCppEngine, clear_cache
     from fractal_opt.runtimes.llama_cpp.settings import describe
     from fractal_opt.workload import Workload
 
@@ -91,16 +93,23 @@ def main() -> int:
     gguf = str(resolve("smollm2-135m-instruct").path)
     plan = Plan(source="smollm2-135m-instruct", hardware=HardwarePlan(runtime="llama_cpp", threads=args.threads))
     engine = LlamaCppEngine.build(plan, progress=lambda _: None, max_new_tokens=args.tokens)
-    hand = hand_server(gguf, args.threads)
     samples: dict[str, list[tuple[str, float, float]]] = {"hand": [], "engine": []}  # (request id, ttft ms, tok/s)
 
     def run_hand(record: bool) -> None:
+        # One llama.cpp server in the process at a time, as a deployment runs it: two resident
+        # servers share libgomp, which then throttles both (docs/runtimes.md). The engine's server
+        # leaves, the hand-made one is loaded for this round and dropped after it (untimed).
+        clear_cache()
+        hand = hand_server(gguf, args.threads)
         for r in requests:
             t0, times = hand_request(hand, r.as_messages(), args.tokens)
             if record:
                 samples["hand"].append((r.id, *rates(t0, times)))
+        del hand
+        gc.collect()
 
     def run_engine(record: bool) -> None:
+        engine.activate()  # its server is loaded again (untimed), as the measurement does before a round
         # ignore_eos as in the hand path: every request decodes its full budget.
         for r in requests:
             t0 = time.perf_counter()
