@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..threads import raise_in
 from .memory import GpuMonitor, MemoryWindow
 from .metrics import METRICS, PER_REPEAT, Measurement, Sample, capacity_mb, round_readings
 from .rounds import Rounds, rounds_for
@@ -69,23 +70,12 @@ def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
             # exception raised into it asynchronously (the pipeline's step timeout) arrives here.
             thread.join(0.05)
     except BaseException as e:
-        _raise_in(thread, type(e))  # and stops the round's own Python code the same way
+        raise_in(thread, type(e))  # and stops the round's own Python code the same way
         raise
     if error:
         raise error[0]
     return out[0]
 
-
-def _raise_in(thread: threading.Thread, kind: type[BaseException]) -> None:
-    """Raise ``kind`` in ``thread`` at its next Python instruction (CPython; elsewhere a no-op)."""
-    if not thread.is_alive() or thread.ident is None:
-        return
-    try:
-        import ctypes
-
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(kind))
-    except (AttributeError, TypeError, ValueError):
-        pass
 
 class Runner:
     """Measures one engine, one timed round at a time: ``warm_up()``, ``round()``, ``result()``.

@@ -22,10 +22,11 @@ until it wakes or the process ends, which may disturb later numbers.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from ..threads import raise_in
 
 __all__ = ["StepTimeout", "WorkerAbandoned", "abandoned", "checkpoint", "run_with_deadline"]
 
@@ -108,9 +109,4 @@ def run_with_deadline(fn: Callable[[], T], timeout_s: float | None, *, name: str
 
 def _cancel(worker: threading.Thread, cancelled: threading.Event) -> None:
     cancelled.set()
-    if not worker.is_alive() or worker.ident is None:
-        return
-    try:  # CPython: raise StepTimeout in the worker at its next Python instruction
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(StepTimeout))
-    except (AttributeError, TypeError, ValueError):  # not CPython: the checkpoint alone
-        pass
+    raise_in(worker, StepTimeout)  # at the worker's next Python instruction; elsewhere the checkpoint alone

@@ -1,0 +1,23 @@
+"""Raising an exception inside another thread: CPython's ``PyThreadState_SetAsyncExc``, in one place.
+
+The pipeline's step deadline uses it to stop a worker past ``policy.timeout_s``; the measurement
+uses it to pass that stop on to the round it is waiting for. The exception arrives at the thread's
+next Python instruction; a thread blocked in native code sees it only once it returns to Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+__all__ = ["raise_in"]
+
+
+def raise_in(thread: threading.Thread, kind: type[BaseException]) -> None:
+    """Raise ``kind`` in ``thread`` at its next Python instruction (CPython; elsewhere a no-op)."""
+    if not thread.is_alive() or thread.ident is None:
+        return
+    try:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(kind))
+    except (AttributeError, TypeError, ValueError):  # not CPython: the caller's own checks alone
+        pass
