@@ -162,10 +162,7 @@ def test_a_provisional_final_plan_claims_no_change():
 
 def test_progress_shows_step_elapsed_and_eta(monkeypatch):
     """The status line counts steps and, once a step has finished, estimates the rest from the mean step time."""
-    clock = iter([0.0, 1.0, 11.0, 21.0, 22.0])
-    monkeypatch.setattr("fractal_opt.pipeline.progress.time.perf_counter", lambda: next(clock))
-    out = io.StringIO()
-    p = Progress(stream=out)  # t0 = 0
+    p, out = _progress_on_clock(monkeypatch, [0.0, 1.0, 11.0, 21.0, 22.0])  # t0 = 0
     p("baseline: loading")  # 1 s
     p("[1/3] hardware/dtype(dtype=bfloat16): building")  # 11 s: first step starts
     p("[2/3] model/quantize(bits=8): building")  # 21 s: one step took 10 s, two remain
@@ -201,10 +198,7 @@ def test_report_md_and_html_state_the_wall_time_of_a_finished_run():
 
 def test_the_eta_counts_finished_steps_only_and_falls_as_a_step_goes_on(monkeypatch):
     """A long current step neither inflates the mean step time nor drives the ETA below the steps still to come."""
-    clock = iter([0.0, 0.0, 10.0, 15.0, 40.0])
-    monkeypatch.setattr("fractal_opt.pipeline.progress.time.perf_counter", lambda: next(clock))
-    out = io.StringIO()
-    p = Progress(stream=out)  # t0 = 0
+    p, out = _progress_on_clock(monkeypatch, [0.0, 0.0, 10.0, 15.0, 40.0])  # t0 = 0
     p("[1/3] a: building")  # 0 s
     p("[2/3] b: building")  # 10 s: one step took 10 s; two remain (20 s)
     p("[2/3] b: measuring")  # 15 s into b: 20 - 5 = 15 s left
@@ -213,3 +207,11 @@ def test_the_eta_counts_finished_steps_only_and_falls_as_a_step_goes_on(monkeypa
     assert lines[1].startswith("[10s · step 2/3 · ETA 20s]")
     assert lines[2].startswith("[15s · step 2/3 · ETA 15s]")
     assert lines[3].startswith("[40s · step 2/3 · ETA 10s]")
+
+
+def _progress_on_clock(monkeypatch, readings):
+    """A Progress writing to a string, its clock reading ``readings`` in turn (the first is its start)."""
+    clock = iter(readings)
+    monkeypatch.setattr("fractal_opt.pipeline.progress.time.perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    return Progress(stream=out), out

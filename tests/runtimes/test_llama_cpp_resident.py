@@ -69,29 +69,18 @@ def test_evict_except_and_clear_cache_drop_the_resident_server(monkeypatch: pyte
     assert not llama_engine._SERVERS
 
 
-class _CountingEngine(FakeEngine):
-    activations = 0
-
-    def activate(self) -> float:
-        type(self).activations += 1
-        return 0.25
-
-
-def test_measure_pair_activates_each_engine_before_its_warm_up_and_every_round() -> None:
+def test_measure_pair_activates_each_engine_before_its_warm_up_and_every_round(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every timed round (and each warm-up) starts with engine.activate(); its seconds are kept apart."""
     build = FakeEngine.factory()
-    _CountingEngine.activations = 0
-    engines = [_as_counting(build(Plan(source="fake"))), _as_counting(build(Plan(source="fake")))]
+    engines = [build(Plan(source="fake")), build(Plan(source="fake"))]
+    calls: list[int] = []
+    for n, engine in enumerate(engines):
+        monkeypatch.setattr(engine, "activate", lambda n=n: calls.append(n) or 0.25)
     wl = Workload(suite="default", max_new_tokens=2, repeats=2, warmup=1)
     before, after = measure_pair(engines[0], engines[1], wl, requests=wl.requests()[:1])
-    # 2 warm-ups + 2 rounds x 2 engines
-    assert _CountingEngine.activations == 6
+    # warm-ups (0, 1), then round 1 in order A B and round 2 in order B A
+    assert calls == [0, 1, 0, 1, 1, 0]
     assert before.extra["activate_s"] == pytest.approx(0.75) and after.extra["activate_s"] == pytest.approx(0.75)
-
-
-def _as_counting(engine: FakeEngine) -> FakeEngine:
-    engine.__class__ = _CountingEngine
-    return engine
 
 
 def test_a_real_engine_serves_again_after_another_plans_server_was_resident() -> None:
