@@ -19,11 +19,15 @@ LEVELS = range(1, 65)
 
 def _knee_engine():
     """Static batching doubles the fake's speed; at concurrency c it decodes 2c x faster than the
-    baseline (so throughput does not fall, and only the SLO can stop the search) while its first
-    token takes c ms: prefill factor 1 / (2c^2) on top of the decode factor 2c, at 1 ms base."""
+    baseline while its first token takes c ms: prefill factor 1 / (2c^2) on top of the decode
+    factor 2c, at 1 ms base. A request of 8 tokens at 40 ms base per token then takes c + 160 / c
+    ms: throughput climbs to c = 12 and stays within 3% of that from 12 to 16, so only the SLO can
+    stop the search (at 10 ms per token it fell 15% from 8 to 12, and a loaded CI machine read a
+    drop beyond the 25% noise band there: level 12 rolled back once). One measurement per level next to
+    three CPU burners moved throughput by up to 13%, hence the 40% band."""
     speed = {"scheduling.batching": {"static": 2.0}, "scheduling.max_concurrency": {c: float(c) for c in LEVELS}}
     prefill = {"scheduling.max_concurrency": {c: 1 / (2 * c * c) for c in LEVELS}}
-    return FakeEngine.factory(speed=speed, prefill_speed=prefill, per_token_ms=10.0, prefill_ms=1.0)
+    return FakeEngine.factory(speed=speed, prefill_speed=prefill, per_token_ms=40.0, prefill_ms=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,7 @@ def searched(tiny_dir, tmp_path_factory):
     """One run on fake engines; the tiny model's folder is only read for the recipe check and the pre-flight."""
     recipe = small_recipe_dict(
         tiny_dir, limit=2, max_new_tokens=8, repeats=1, warmup=0,
-        policy={"min_effect": 0.25, "guards": {"ttft_ms_p90": {"max": 12.5}}},
+        policy={"min_effect": 0.4, "guards": {"ttft_ms_p90": {"max": 12.5}}},
         passes={"scheduling": [{"batching": {"mode": "static", "batch_size": 2}}, {"concurrency": {"mode": "ramp", "start": 1, "max_limit": 64}}]},
     )
     out = tmp_path_factory.mktemp("search-out")
