@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import RecipeError, closest
+from .errors import ModelSourceError, RecipeError, closest
 from .plan import SECTIONS, Plan
 
 __all__ = ["KINDS", "TARGETS", "Export", "export", "generation_config", "plan_fields", "table"]
@@ -180,11 +180,11 @@ _LLAMA_SERVER_TABLE: dict[str, tuple[str, str]] = {
     "hardware.n_ubatch": ("arg", "--ubatch-size"),
     "hardware.tensor_parallel": ("lost", "vLLM's tensor parallelism (llama.cpp splits layers with --split-mode on several GPUs)"),
     "hardware.pipeline_parallel": ("lost", "vLLM's pipeline parallelism"),
-    "model.weight_bits": ("lost", "the GGUF file fixes the weights' quantization (llama-quantize makes another file)"),
-    "model.quant_backend": ("lost", "the GGUF file fixes the weights' quantization"),
-    "model.quant_method": ("lost", "the GGUF file fixes the weights' quantization"),
+    "model.weight_bits": ("arg", "--model: the GGUF file re-quantized by the gguf backend (other backends are refused by llama.cpp)"),
+    "model.quant_backend": ("arg", "--model: the re-quantized GGUF file (gguf backend)"),
+    "model.quant_method": ("arg", "--model: the re-quantized GGUF file's block type (q8_0 / q4_0)"),
     "model.quant_group_size": ("lost", "the GGUF file fixes the weights' quantization"),
-    "model.quant_skip": ("lost", "the GGUF file fixes the weights' quantization"),
+    "model.quant_skip": ("arg", "--model: [lm_head] = the re-quantized file keeps the output head's stored type (gguf backend)"),
     "model.quant_sensitivity_max_kl": ("lost", "the GGUF file fixes the weights' quantization"),
     "model.kv_cache": ("arg", "--cache-type-k / --cache-type-v (quantized); dynamic and static are llama.cpp's one preallocated cache"),
     "model.kv_bits": ("arg", "--cache-type-k / --cache-type-v q8_0 / q4_0"),
@@ -444,6 +444,11 @@ def _vllm(plan: Plan, model: str, out: Export, host: str, port: int) -> dict[str
 def _llama_server(plan: Plan, model: str, out: Export, host: str, port: int) -> dict[str, str]:
     from .runtimes.llama_cpp.settings import refusals, server_settings
 
+    reasons: dict[str, str] = {}
+    if plan.model.quant_backend == "gguf":
+        model, why = _requantized_model(plan, model)
+        if why:
+            reasons.update({"model.weight_bits": why, "model.quant_backend": why, "model.quant_method": why})
     settings = server_settings(plan, model)
     a = plan.application
     cmd = ["llama-server", "--model", model, "--host", host, "--port", str(port), "--parallel", str(settings.slots), "--ctx-size", str(settings.kv_tokens)]
@@ -466,15 +471,36 @@ def _llama_server(plan: Plan, model: str, out: Export, host: str, port: int) -> 
     cmd += ["--repeat-penalty", str(a.repetition_penalty)]
     out.command = cmd
     out.request = {**_stream(plan), "cache_prompt": settings.prefix_cache, **({"stop": list(a.stop)} if a.stop else {})}
-    reasons = {}
     for reason in refusals(plan):
         name = reason.split("=", 1)[0]
         reasons[name] = reason.split(": ", 1)[-1]
+    if "model.weight_bits" in reasons:  # a transformers backend: none of its fields reaches the file
+        reasons.update({f"model.{f}": reasons["model.weight_bits"] for f in ("quant_backend", "quant_method", "quant_skip")
+                        if getattr(plan.model, f)})
     if plan.model.kv_cache == "static":
         reasons["model.kv_cache"] = "llama.cpp preallocates its KV cache at load (--ctx-size) anyway; the static cache's measured effect does not transfer"
     if plan.hardware.threads == "auto":
         reasons["hardware.threads"] = "'auto' (physical cores) is resolved on the target: pass --threads with its physical cores"
     return reasons
+
+
+def _requantized_model(plan: Plan, model: str) -> tuple[str, str | None]:
+    """(the re-quantized GGUF llama-server loads, or ``model`` with why it could not be made here).
+
+    The file is the one the llama_cpp runtime measured (cached; made now if it is not)."""
+    from .models import resolve
+    from .runtimes.llama_cpp.requantize import model_file
+
+    try:
+        source = resolve(model)
+    except ModelSourceError as e:
+        source, problem = None, str(e)
+    else:
+        problem = None if source.kind in ("gguf", "embedded") else f"{model!r} is not a GGUF file"
+    if source is None or problem:
+        return model, (f"{problem}; re-quantize the GGUF on the target: python -m fractal_opt.runtimes.llama_cpp.requantize MODEL.gguf "
+                       f"--type {plan.model.quant_method}" + ("" if "lm_head" in plan.model.quant_skip else " --requantize-head"))
+    return str(model_file(plan, source.path, progress=lambda _: None)), None
 
 
 def _stream(plan: Plan) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["OPTIONAL_PACKAGES", "Machine", "resolve_device"]
 
 # Packages whose presence decides whether a pass can run (kernels, quantization backends).
-OPTIONAL_PACKAGES = ("torch", "transformers", "accelerate", "bitsandbytes", "torchao", "optimum-quanto", "hqq", "flash-attn", "nvidia-ml-py", "xllamacpp")
+OPTIONAL_PACKAGES = ("torch", "transformers", "accelerate", "bitsandbytes", "torchao", "optimum-quanto", "hqq", "flash-attn", "nvidia-ml-py", "xllamacpp", "gguf")
 
 
 @dataclass(frozen=True, kw_only=True)

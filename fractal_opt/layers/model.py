@@ -20,13 +20,15 @@ from ..quant_select import check_skip
 __all__ = ["BACKEND_PACKAGES", "METHODS", "ContextCap", "KVCache", "Quantize"]
 
 # Which package implements each backend (for check messages and the machine's package census).
-BACKEND_PACKAGES = {"torchao": "torchao", "bitsandbytes": "bitsandbytes", "quanto": "optimum-quanto", "hqq": "hqq"}
+BACKEND_PACKAGES = {"torchao": "torchao", "bitsandbytes": "bitsandbytes", "quanto": "optimum-quanto", "hqq": "hqq", "gguf": "gguf"}
 
 # (backend, bits) -> methods it offers, the default first.
 #   torchao  weight_only: int8 per channel / int4 in groups (Intx on CPU, Int4 on CUDA);
 #            dynamic: int8 weights and int8 activations quantized per token at run time.
 #   bitsandbytes int8: LLM.int8() (outlier columns kept in fp16); nf4 / fp4: 4-bit blocks of 64.
 #   quanto   weight_only: qint8 / qint4 weights (int4 in groups of 128, quanto's layout).
+#   gguf     q8_0 / q4_0: a GGUF file re-quantized to that ggml block type, for the llama_cpp
+#            runtime (fractal_opt/runtimes/llama_cpp/requantize.py).
 METHODS: dict[tuple[str, int], tuple[str, ...]] = {
     ("torchao", 8): ("weight_only", "dynamic"),
     ("torchao", 4): ("weight_only",),
@@ -34,10 +36,15 @@ METHODS: dict[tuple[str, int], tuple[str, ...]] = {
     ("bitsandbytes", 4): ("nf4", "fp4"),
     ("quanto", 8): ("weight_only",),
     ("quanto", 4): ("weight_only",),
+    ("gguf", 8): ("q8_0",),
+    ("gguf", 4): ("q4_0",),
 }
 # Backends that quantize a loaded model (so one block at a time can be tried: sensitivity).
 POST_LOAD_BACKENDS = ("torchao", "quanto")
 BNB_METHODS = ("int8", "nf4", "fp4")
+GGUF_METHODS = ("q8_0", "q4_0")
+# The skip lists the gguf backend honours: the output head kept at its stored type, or nothing kept.
+GGUF_SKIPS = ((), ("lm_head",))
 
 
 @register
@@ -54,14 +61,19 @@ class Quantize(Pass):
     the most sensitive blocks unquantized until the whole model's KL is at most ``max_kl`` (set it
     to the recipe's kl_mean guard; torchao and quanto only). The build's census says what was
     quantized; a build that quantized nothing fails the pass.
+
+    On the llama_cpp runtime ``backend: auto`` is ``gguf``: the GGUF file is re-quantized to
+    Q8_0 (8 bits) or Q4_0 (4 bits) with the gguf package, once, and llama.cpp loads the copy. The
+    embedded model's Q4_1 blocks have no fast CPU kernels in this llama.cpp build; Q4_0 ones do
+    (docs/runtimes.md). ``skip: [lm_head]`` (the default) keeps the output head at its stored type.
     """
 
     name = "quantize"
     layer = Layer.MODEL
 
     bits: Literal[8, 4] = 8
-    backend: Literal["auto", "torchao", "bitsandbytes", "quanto"] = "auto"
-    method: Literal["auto", "weight_only", "dynamic", "int8", "nf4", "fp4"] = "auto"
+    backend: Literal["auto", "torchao", "bitsandbytes", "quanto", "gguf"] = "auto"
+    method: Literal["auto", "weight_only", "dynamic", "int8", "nf4", "fp4", "q8_0", "q4_0"] = "auto"
     group_size: int | None = None  # torchao 4-bit only; None = 32 there
     skip: tuple[str, ...] = ("lm_head",)
     sensitivity: bool = False
@@ -82,6 +94,8 @@ class Quantize(Pass):
             return self.backend
         if self.method in BNB_METHODS:
             return "bitsandbytes"
+        if self.method in GGUF_METHODS or (plan is not None and plan.hardware.runtime == "llama_cpp"):
+            return "gguf"
         if self.method != "auto" or plan is None:
             return "torchao"
         return "bitsandbytes" if plan.hardware.device.startswith("cuda") and not self.sensitivity else "torchao"
@@ -108,6 +122,10 @@ class Quantize(Pass):
         package = BACKEND_PACKAGES[backend]
         if not machine.has_package(package):
             return f"backend {backend!r} needs the {package} package (pip install {package})"
+        if backend == "gguf":
+            return self._gguf_problem(plan)
+        if plan.hardware.runtime == "llama_cpp":
+            return f"backend {backend!r} quantizes transformers models; the llama_cpp runtime serves a GGUF file (backend: gguf re-quantizes it)"
         device = resolve_device(plan.hardware.device, machine)
         if device == "mps" and backend != "quanto":
             return f"backend {backend!r} has no MPS kernels; use backend quanto"
@@ -120,6 +138,17 @@ class Quantize(Pass):
         if plan.hardware.offload_folder is not None:
             # Offloaded layers are placeholders on the meta device between forwards: there are no weights to quantize.
             return f"{backend} cannot quantize layers offloaded to disk (device_map with offload_folder); quantize first, then offload less"
+        return None
+
+    def _gguf_problem(self, plan: Plan) -> str | None:
+        if plan.hardware.runtime != "llama_cpp":
+            return f"backend 'gguf' writes a GGUF file for the llama_cpp runtime; this plan's runtime is {plan.hardware.runtime!r} (add a runtime: llama_cpp pass first)"
+        if self.group_size is not None:
+            return f"group_size {self.group_size}: the gguf backend writes ggml's fixed blocks of 32 weights"
+        if self.sensitivity:
+            return "sensitivity needs a backend that quantizes a loaded model one block at a time (torchao, quanto); the gguf backend converts the file"
+        if self.skip not in GGUF_SKIPS:
+            return f"skip {list(self.skip)}: the gguf backend keeps the output head (skip: [lm_head], the default) or nothing (skip: []); it has no per-module list"
         return None
 
     def unavailable(self, machine: Machine) -> str | None:

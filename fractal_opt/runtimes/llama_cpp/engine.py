@@ -46,6 +46,7 @@ from ...plan import Plan
 from ...serving.sampling import Decoding
 from ...workload import Request
 from .census import eos_token_id, gguf_census
+from .requantize import model_file
 from .settings import ServerSettings, common_params, refusals, request_body, server_settings
 
 __all__ = ["LlamaCppEngine", "clear_cache", "evict_except"]
@@ -148,9 +149,9 @@ class LlamaCppEngine(Engine):
             raise EngineError("the llama_cpp runtime needs xllamacpp: pip install xllamacpp (a prebuilt CPU wheel)") from None
         source = resolve(plan.source)
         cores = (machine or Machine.probe()).physical_cores if plan.hardware.threads == "auto" else None
-        settings = server_settings(plan, str(source.path), physical_cores=cores)
+        settings = server_settings(plan, str(model_file(plan, source.path, progress=progress)), physical_cores=cores)
         if settings not in _SERVERS:
-            progress(f"loading {source.path.name} into llama.cpp ({settings.slots} slot(s), KV cache of {settings.kv_tokens} tokens{' shared' if settings.unified else ''})")
+            progress(f"loading {os.path.basename(settings.model_path)} into llama.cpp ({settings.slots} slot(s), KV cache of {settings.kv_tokens} tokens{' shared' if settings.unified else ''})")
         handle = _Resident(settings, plan.weights_key(), xlc.Server)
         load_s = handle.load()
         return cls(plan, handle, settings, machine=machine, load_s=load_s, max_new_tokens=max_new_tokens)

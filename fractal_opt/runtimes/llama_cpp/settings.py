@@ -16,6 +16,7 @@ from typing import Any
 
 from ...batch_sizes import N_BATCH_DEFAULT, N_UBATCH_DEFAULT, batch_problems
 from ...plan import Plan
+from .requantize import GGUF_BITS
 
 __all__ = ["KV_CACHE_TYPES", "N_BATCH_DEFAULT", "N_UBATCH_DEFAULT", "ServerSettings", "batch_problems", "common_params", "describe", "refusals", "request_body", "server_settings"]
 
@@ -32,6 +33,8 @@ KV_BYTES_PER_VALUE: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 
 # four; 4096 holds the default suite's longest prompt (~600 tokens) plus any budget it asks for.
 DEFAULT_KV_TOKENS = 4096
 KV_TOKENS_PER_SLOT = 1024
+# (quant_method, weight_bits) pairs the gguf backend writes (requantize.py).
+GGUF_METHOD_BITS = tuple(GGUF_BITS.items())
 
 
 
@@ -103,13 +106,17 @@ def refusals(plan: Plan) -> list[str]:
             no(f"hardware.{name}", getattr(hw, name), "splitting a model over GPUs is vLLM's (runtime: vllm); this llama.cpp build runs on one CPU")
     if hw.prepack:
         no("hardware.prepack", hw.prepack, "oneDNN prepacking is a torch feature; llama.cpp repacks quantized weights for the CPU by itself")
-    if m.weight_bits is not None or m.quant_backend is not None or m.quant_method is not None:
-        no("model.weight_bits", m.weight_bits, f"llama.cpp serves the GGUF file's own quantization ({m.quant_backend or 'no'} backend cannot re-quantize it); quantize the GGUF with llama-quantize instead")
+    gguf = m.quant_backend == "gguf"
+    if gguf and (m.quant_method, m.weight_bits) not in GGUF_METHOD_BITS:
+        no("model.quant_method", m.quant_method, f"the gguf backend writes {', '.join(f'{q} ({b} bits)' for q, b in GGUF_METHOD_BITS)}")
+    elif not gguf and (m.weight_bits is not None or m.quant_backend is not None or m.quant_method is not None):
+        no("model.weight_bits", m.weight_bits, f"llama.cpp serves a GGUF file: the {m.quant_backend or 'no'} backend quantizes transformers models; "
+           "re-quantize the GGUF with the quantize pass's backend: gguf (q8_0 / q4_0) instead")
     for name in ("quant_group_size", "quant_sensitivity_max_kl"):
         if getattr(m, name) is not None:
-            no(f"model.{name}", getattr(m, name), "a transformers quantization parameter; the GGUF file fixes llama.cpp's quantization")
-    if m.quant_skip:
-        no("model.quant_skip", m.quant_skip, "a transformers quantization parameter; the GGUF file fixes llama.cpp's quantization")
+            no(f"model.{name}", getattr(m, name), "a transformers quantization parameter; ggml's block types fix their own layout")
+    if m.quant_skip and not (gguf and tuple(m.quant_skip) == ("lm_head",)):
+        no("model.quant_skip", m.quant_skip, "a transformers quantization parameter; the gguf backend keeps the output head (skip: [lm_head]) or nothing")
     if m.kv_cache in ("offloaded", "off"):
         no("model.kv_cache", m.kv_cache, "llama.cpp keeps its KV cache in memory, always on (allowed: dynamic, static, quantized)")
     elif m.kv_cache == "quantized":

@@ -184,6 +184,8 @@ class TransformersEngine(Engine):
                  "hardware.n_ubatch": (hw.n_ubatch, None, "llama.cpp's tokens per forward pass; transformers runs a prompt's prefill in one forward pass"),
                  "scheduling.prefix_cache": (plan.scheduling.prefix_cache, False, "cross-request prefix reuse is a llama.cpp / vLLM server feature")}
         bad = [f"{name}={value!r}: {why}" for name, (value, default, why) in other.items() if value != default]
+        if plan.model.quant_backend == "gguf":
+            bad.append(f"model.quant_backend='gguf' ({plan.model.quant_method}): re-quantizes a GGUF file for the llama_cpp runtime; transformers quantizes with torchao, bitsandbytes or quanto")
         if plan.model.kv_backend == "native":
             bad.append("model.kv_backend='native': a llama.cpp / vLLM cache type; transformers quantizes its cache with quanto or hqq")
         if bad:

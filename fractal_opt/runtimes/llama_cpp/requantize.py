@@ -1,0 +1,141 @@
+"""Re-quantize a GGUF file to another ggml block type with the ``gguf`` package (llama.cpp's own Python library).
+
+The embedded SmolLM2 GGUF stores its blocks in Q4_1, which llama.cpp's CPU build here multiplies
+without its fast paths: prefill ran at ~165 prompt tokens/s. Q4_0 (repacked at load for the CPU)
+and Q8_0 have them (measured here, docs/runtimes.md). llama.cpp's own ``llama-quantize`` is a C++
+tool that no wheel on the registry ships, so the conversion uses ``gguf.quants`` (numpy
+dequantize / quantize for every ggml type, maintained in llama.cpp's repository) and
+``GGUFWriter``; only the copy loop is written here.
+
+What changes: every tensor in a block-quantized type other than the target is dequantized and
+quantized again to the target. Full-precision tensors (norms) keep their type, and so does the
+output head (``output.weight``, or ``token_embd.weight`` when the head is tied to the embedding,
+as in SmolLM2, whose head is Q8_0) unless ``keep_head`` is False. Re-quantizing adds the
+target type's rounding on top of the source's: Q8_0 from Q4_1 is close to exact, Q4_0 from Q4_1
+is a second 4-bit rounding, so the pipeline's quality guards judge it like any quantization.
+
+The result is cached next to the safetensors conversions (``fractal_opt.models.cache_dir()``),
+keyed by the source file (path, size, mtime) and the options, and written to a temporary file
+that is renamed into place, so an interrupted conversion never leaves a broken cache entry.
+
+    python -m fractal_opt.runtimes.llama_cpp.requantize model.gguf --type q4_0   # prints the new file's path
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["GGUF_BITS", "GGUF_TYPES", "model_file", "requantize", "requantized_path"]
+
+# quant_method -> ggml type name and its bits (the model layer's quantize pass, backend gguf).
+GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
+GGUF_BITS = {"q8_0": 8, "q4_0": 4}
+_FULL_PRECISION = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
+_FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0"}
+
+
+def requantized_path(source: Path, method: str, *, keep_head: bool = True) -> Path:
+    """Where the re-quantized copy of ``source`` is cached (it may not exist yet)."""
+    from ...models import cache_dir
+
+    stat = source.stat()
+    key = f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{method}:{keep_head}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{source.stem}-{GGUF_TYPES[method]}-{digest}.gguf"
+
+
+def requantize(source: Path, method: str, *, keep_head: bool = True, progress: Callable[[str], None] = print) -> Path:
+    """The path of ``source`` re-quantized to ``method`` (``q8_0`` | ``q4_0``), converting once.
+
+    Raises:
+        ValueError: an unknown method.
+    """
+    if method not in GGUF_TYPES:
+        raise ValueError(f"quant_method={method!r}: the gguf backend writes one of {sorted(GGUF_TYPES)}")
+    target = requantized_path(source, method, keep_head=keep_head)
+    if target.is_file():
+        return target
+    progress(f"re-quantizing {source.name} to {GGUF_TYPES[method]} once with the gguf package (about 10 s); cached in {target}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".requantizing-", suffix=".gguf", dir=target.parent)
+    os.close(fd)
+    try:
+        _write(source, Path(tmp), GGUF_TYPES[method], keep_head=keep_head)
+        os.chmod(tmp, 0o644)  # mkstemp creates it private; the cache is read like any model file
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def model_file(plan: Any, source: Path, *, progress: Callable[[str], None] = print) -> Path:
+    """The GGUF file llama.cpp loads for ``plan``: ``source``, or its re-quantized copy when the
+    plan's weights use the gguf backend (converted on first use)."""
+    m = plan.model
+    if m.quant_backend != "gguf":
+        return source
+    return requantize(source, m.quant_method, keep_head="lm_head" in m.quant_skip, progress=progress)
+
+
+def _head_name(names: set[str]) -> str:
+    return "output.weight" if "output.weight" in names else "token_embd.weight"
+
+
+def _write(source: Path, out: Path, type_name: str, *, keep_head: bool) -> None:
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(out), reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    for field in reader.fields.values():
+        # The architecture and the GGUF.* header fields are written by GGUFWriter itself
+        # (as gguf's own scripts/gguf_new_metadata.py copies a file).
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        value = field.contents()
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            value = getattr(gguf.LlamaFileType, _FILE_TYPES[type_name]).value
+        writer.add_key_value(field.name, value, kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    target = getattr(GGMLQuantizationType, type_name)
+    block = gguf.GGML_QUANT_SIZES[target][0]
+    head = _head_name({t.name for t in reader.tensors})
+    for t in reader.tensors:
+        kind = t.tensor_type
+        convert = (kind.name not in _FULL_PRECISION and kind != target and not (keep_head and t.name == head)
+                   and int(t.shape[0]) % block == 0)  # ggml's shape[0] is the row length the blocks tile
+        if convert:
+            values = quants.dequantize(t.data, kind).astype(np.float32)
+            writer.add_tensor(t.name, quants.quantize(values, target), raw_dtype=target)
+        else:
+            writer.add_tensor(t.name, t.data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", type=Path, help="a .gguf file")
+    parser.add_argument("--type", choices=sorted(GGUF_TYPES), default="q4_0", help="the block type to write (default q4_0)")
+    parser.add_argument("--requantize-head", action="store_true", help="also re-quantize the output head (kept at its stored type by default)")
+    args = parser.parse_args(argv)
+    if not args.source.is_file():
+        print(f"error: {args.source}: no such file", file=sys.stderr)
+        return 2
+    print(requantize(args.source, args.type, keep_head=not args.requantize_head, progress=lambda m: print(m, file=sys.stderr)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
