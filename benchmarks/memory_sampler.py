@@ -4,7 +4,7 @@ The measurement reads peak memory from Linux's VmHWM (free: nothing runs during 
 platforms fall back to a thread that reads the RSS every 50 ms. This script serves the same
 requests with the embedded SmolLM2-135M-Instruct inside ``MemoryWindow(method="vmhwm")`` and
 ``MemoryWindow(method="sampler")``, interleaved (A B / B A rounds), and prints the paired change of
-decode tokens/s and throughput with its 95% bootstrap interval, plus both peaks.
+decode tokens/s and throughput with its 95% t interval over rounds, plus both peaks.
 
     python benchmarks/memory_sampler.py --rounds 6 --requests 2 --tokens 24 --threads 1
 """

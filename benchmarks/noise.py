@@ -8,10 +8,10 @@
     detected ("worse beyond noise") in at least 95% of trials.
 
 Each trial is one pipeline comparison, decided with the pipeline's rule: measure_pair (A B / B A
-rounds), paired bootstrap interval of decode tokens/s, band = max(min_effect, inner half-width).
+rounds), paired t interval over rounds of decode tokens/s, band = max(min_effect, inner half-width).
 A/A and slowdown trials alternate, so machine load falls on both alike.
 
-    python benchmarks/noise.py                       # 20 + 20 trials, 2 requests x 16 tokens, 3 rounds
+    python benchmarks/noise.py                       # 20 + 20 trials, 2 requests x 16 tokens, 4-8 rounds
     python benchmarks/noise.py --trials 5 --tokens 24 --requests 3
 
 Prints the A/A false-change rate (target <= 5%) and the slowdown detection rate (target >= 95%),
@@ -75,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=20, help="trials of each kind (default 20)")
     parser.add_argument("--requests", type=int, default=2, help="requests of the default suite per round (default 2, the short ones)")
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per request (default 16)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per comparison (default 3)")
-    parser.add_argument("--max-rounds", type=int, default=None, help="adaptive budget (default: --rounds, no extension)")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds per comparison before any extension (default 4: two A B / B A pairs)")
+    parser.add_argument("--max-rounds", type=int, default=8, help="adaptive budget: rounds are added in pairs while the verdict is unsettled (default 8)")
     parser.add_argument("--slowdown", type=float, default=0.10, help="extra time per decode step, as a fraction of the measured step (default 0.10)")
     parser.add_argument("--min-effect", type=float, default=Policy.min_effect, help=f"policy.min_effect (default {Policy.min_effect}, the policy's)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared machine a second OpenMP thread spin-waits against other jobs, tests/conftest.py)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores, the plan's `auto`; on a machine "
+                        "shared with other jobs try 1, since a second OpenMP thread then spin-waits against them)")
     args = parser.parse_args(argv)
 
     import torch
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = snapshot()
     print(f"before: {start.describe()}" + (" -- BUSY" if start.busy else ""), flush=True)
-    plan = Plan(source="smollm2-135m-instruct", hardware=HardwarePlan(threads=args.threads))
+    plan = Plan(source="smollm2-135m-instruct", hardware=HardwarePlan(threads=args.threads or "auto"))
     engine = Engine.build(plan, progress=lambda m: print(m, file=sys.stderr))
     wl = Workload(suite="default", limit=args.requests, max_new_tokens=args.tokens, repeats=args.rounds, max_repeats=args.max_rounds, warmup=0)
     warm = measure(engine, Workload(suite="default", limit=args.requests, max_new_tokens=args.tokens, repeats=2, warmup=1))

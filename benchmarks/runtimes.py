@@ -24,7 +24,7 @@ transformers best plan measured again next to it so its ratio has a same-window 
 
 Prints both tables, the issue's ratios (llama_cpp tuned throughput / transformers best, target
 >= 3x; llama_cpp single-request decode / transformers baseline, target >= 5x) as ratios of the
-medians and as paired estimates with their bootstrap intervals, the load average at start and end,
+medians and as paired estimates with their t intervals over rounds, the load average at start and end,
 and the versions. Exits 1 when a target is missed.
 
     python benchmarks/runtimes.py                  # 3 rounds: about 10 minutes on 2 busy CPU cores
@@ -181,7 +181,7 @@ def single_table(results: dict[str, Any], engines: dict[str, Any]) -> list[str]:
 
 
 def ratio(results_a: Any, results_b: Any, metric: str) -> tuple[float | None, str]:
-    """(b / a of the medians, the paired estimate with its bootstrap interval, as text)."""
+    """(b / a of the medians, the paired estimate with its t interval over rounds, as text)."""
     from fractal_opt.measure.runner import paired_changes
 
     a, b = results_a.median(metric), results_b.median(metric)

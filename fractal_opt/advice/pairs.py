@@ -1,4 +1,4 @@
-"""Two plans measured the pipeline's way: interleaved rounds, a paired bootstrap interval, a noise band.
+"""Two plans measured the pipeline's way: interleaved rounds, a paired t interval over rounds, a noise band.
 
 ``bisect`` and ``compare --measure`` judge "worse" and "better" with the same rule a run's verdict
 uses (:func:`fractal_opt.measure.measure_pair`, :func:`~fractal_opt.measure.noise.band`): a change

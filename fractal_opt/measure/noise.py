@@ -1,16 +1,24 @@
-"""Noise-aware comparison: paired ratios, a bootstrap interval, and the noise band of the verdict.
+"""Noise-aware comparison: paired ratios, a t interval over rounds, and the noise band of the verdict.
 
 The rule (docs/metrics.md, "The verdict"): previous (A) and candidate (B) are served in the same
-rounds; each (request, round) gives one paired log-ratio ``log(B / A)``. The change of a metric is
+rounds, the order alternating A B / B A; each (request, round) gives one paired log-ratio
+``log(B / A)``. A round is the unit of the comparison: its requests ran back to back on one machine
+state, so they share that round's luck, while two rounds are measured seconds apart. Each round's
+log-ratio is the mean over its requests (a geometric mean, so a short and a long prompt weigh the
+same), and the change of a metric is
 
-    exp(mean over requests of median over rounds of log(B/A)) - 1
+    exp(mean over rounds of the round log-ratios) - 1
 
-(a geometric mean, so a short and a long prompt weigh the same; the median per request so one
-stalled round does not decide). Its 95% interval is a stratified percentile bootstrap: rounds are
-resampled with replacement within each request (``BOOTSTRAP`` resamples, fixed seed, so the same
-numbers always give the same verdict). With a single round the requests' ratios are resampled as
-one pool instead (a within-request spread needs two rounds). Per-repeat metrics (throughput, memory) pair round r of A
-with round r of B and bootstrap over rounds.
+with a 95% Student t interval over the rounds (``n - 1`` degrees of freedom). With a single round
+its requests' log-ratios stand in for the rounds (they are the only spread there is). Per-repeat
+metrics (throughput, memory) have one log-ratio per round already.
+
+Why not a bootstrap: a percentile bootstrap of three rounds never reaches beyond the three
+observed values, and three draws bracket their own median only 75% of the time, so a "95%"
+interval from three rounds covered the truth far less often: in session 6, 3 of the first 7 A/A
+trials of benchmarks/noise.py ended "worse" or "better" (docs/metrics.md has the run). A t interval
+from three rounds is honest and wide (t = 4.3 at 2 degrees of freedom); the runner adds rounds
+while it is not :func:`settled`, up to ``max_repeats``.
 
 The noise band a change must exceed is ``max(min_effect, inner half-width)``, where the inner
 half-width is the distance from the estimate to the end of the interval nearer zero: a change then
@@ -23,7 +31,7 @@ What a machine can resolve at all is read from the A/A calibration (:func:`resol
 interval on that machine is about as wide, its band about X%, so no verdict can see a change below it.
 
 Example:
-    >>> ci = paired_interval({"r1": [0.1, 0.1, 0.1], "r2": [0.1, 0.1, 0.1]})
+    >>> ci = paired_interval({0: [0.1, 0.1], 1: [0.1, 0.1], 2: [0.1, 0.1]})
     >>> round(ci.change, 4), round(ci.low, 4), round(ci.high, 4)
     (0.1052, 0.1052, 0.1052)
 """
@@ -31,21 +39,19 @@ Example:
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["BOOTSTRAP", "CONFIDENCE", "Interval", "band", "paired_interval", "resolution", "settled"]
+__all__ = ["CONFIDENCE", "Interval", "band", "paired_interval", "resolution", "settled", "t_quantile"]
 
-BOOTSTRAP = 1000  # resamples: percentile error of a 95% interval ~0.7 points of coverage at 1000
 CONFIDENCE = 0.95
-_SEED = 1234  # fixed: a verdict must not depend on the RNG state
 
 
 @dataclass(frozen=True)
 class Interval:
-    """A relative change (+0.10 = 10% larger) with its bootstrap interval and the pairs behind it."""
+    """A relative change (+0.10 = 10% larger) with its 95% interval and the pairs behind it."""
 
     change: float
     low: float
@@ -67,39 +73,43 @@ class Interval:
         return [round(self.low, 4), round(self.high, 4)]
 
 
-def _estimate(logs_by_key: Sequence[Sequence[float]]) -> float:
-    return statistics.fmean(statistics.median(v) for v in logs_by_key)
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile (exact for 1 and 2 degrees of freedom, else the Cornish-Fisher series of
+    Abramowitz & Stegun 26.7.5, within 0.003 of the tables from 3 up). Written here because the
+    standard library has only the normal distribution and scipy is not a dependency.
+
+    Example:
+        >>> round(t_quantile(0.975, 2), 3), round(t_quantile(0.975, 10), 3)
+        (4.303, 2.228)
+    """
+    if df < 1:
+        raise ValueError(f"df={df}: a t quantile needs at least one degree of freedom")
+    if df == 1:
+        return math.tan(math.pi * (p - 0.5))
+    if df == 2:
+        return (2 * p - 1) * math.sqrt(2 / (4 * p * (1 - p)))
+    z = statistics.NormalDist().inv_cdf(p)
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2) + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
+            + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * df**4))
 
 
-def paired_interval(logs: Mapping[str, Sequence[float]], *, resamples: int = BOOTSTRAP, confidence: float = CONFIDENCE) -> Interval | None:
-    """Change and bootstrap interval from paired log-ratios ``{request id: [log(B/A) per round]}``.
+def paired_interval(logs: Mapping[Any, Sequence[float]], *, confidence: float = CONFIDENCE) -> Interval | None:
+    """Change and t interval from paired log-ratios grouped by round: ``{round: [log(B/A) per request]}``.
 
-    For per-repeat metrics pass a single key holding one log-ratio per round. None without pairs.
+    For per-repeat metrics each round holds one log-ratio. None without pairs.
     """
     groups = [list(v) for v in logs.values() if v]
     if not groups:
         return None
-    est = _estimate(groups)
     n_pairs = sum(len(g) for g in groups)
-    if n_pairs == 1:
+    # One round: its requests are the only spread there is (a round's requests share its luck, so
+    # this is the narrower guess; the runner adds rounds while the verdict is unsettled).
+    units = [statistics.fmean(g) for g in groups] if len(groups) > 1 else groups[0]
+    est = statistics.fmean(units)
+    if len(units) == 1:
         return Interval(math.exp(est) - 1, math.exp(est) - 1, math.exp(est) - 1, n_pairs)
-    rng = random.Random(_SEED)
-    stats = []
-    if all(len(g) == 1 for g in groups):
-        # One round: no request has a spread of its own, so the requests' ratios are resampled
-        # as one pool (their differences stand in for the noise; wider, never zero).
-        pool = [g[0] for g in groups]
-        for _ in range(resamples):
-            stats.append(statistics.fmean(pool[rng.randrange(len(pool))] for _ in pool))
-    else:
-        for _ in range(resamples):
-            stats.append(_estimate([[g[rng.randrange(len(g))] for _ in g] for g in groups]))
-    stats.sort()
-    tail = (1 - confidence) / 2
-    lo = stats[int(tail * (resamples - 1))]
-    hi = stats[int(math.ceil((1 - tail) * (resamples - 1)))]
-    # The interval always contains the estimate (a percentile interval of a median can miss it).
-    return Interval(math.exp(est) - 1, math.exp(min(lo, est)) - 1, math.exp(max(hi, est)) - 1, n_pairs)
+    half = t_quantile(1 - (1 - confidence) / 2, len(units) - 1) * statistics.stdev(units) / math.sqrt(len(units))
+    return Interval(math.exp(est) - 1, math.exp(est - half) - 1, math.exp(est + half) - 1, n_pairs)
 
 
 def band(interval: Interval | None, *, min_effect: float, drift: float | None = None) -> float:

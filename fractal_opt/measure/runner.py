@@ -181,9 +181,10 @@ def measure_pair(
 
     Rounds alternate the order A B, B A, A B, ... (each round serves the whole suite once per
     engine; alternating cancels a linear drift within a pair as well as between pairs). After
-    ``workload.repeats`` rounds, rounds are added while the bootstrap interval of ``objective`` is
-    not :func:`~fractal_opt.measure.noise.settled`, up to ``workload.max_repeats``. ``previous``
-    may be the same engine as ``candidate`` (the A/A calibration).
+    ``workload.repeats`` rounds, rounds are added two at a time (one A B / B A pair, so the order
+    stays balanced) while the t interval of ``objective`` is not
+    :func:`~fractal_opt.measure.noise.settled`, up to ``workload.max_repeats``. ``previous`` may be
+    the same engine as ``candidate`` (the A/A calibration).
     """
     from .noise import settled
 
@@ -194,7 +195,7 @@ def measure_pair(
     b.warm_up()
     budget = max(workload.repeats, getattr(workload, "max_repeats", None) or workload.repeats)
     for r in range(budget):
-        if r >= workload.repeats:
+        if r >= workload.repeats and (r - workload.repeats) % 2 == 0:
             interval = paired_changes(a.result(), b.result(), [objective]).get(objective)
             if settled(interval, min_effect=min_effect):
                 break
@@ -206,27 +207,28 @@ def measure_pair(
 
 
 def paired_changes(before: Measurement, after: Measurement, metrics: Sequence[str] | None = None) -> dict[str, Any]:
-    """Per metric, the paired change and its bootstrap interval (:class:`~fractal_opt.measure.noise.Interval`).
+    """Per metric, the paired change and its t interval over rounds (:class:`~fractal_opt.measure.noise.Interval`).
 
-    Per-request metrics pair (request, round) samples; per-repeat metrics pair rounds. Pairs with
-    a missing or non-positive value on either side are left out; a metric without pairs is absent.
+    Per-request metrics pair (request, round) samples, grouped by round; per-repeat metrics pair
+    rounds. Pairs with a missing or non-positive value on either side are left out; a metric
+    without pairs is absent.
     """
     from .noise import paired_interval
 
     out: dict[str, Any] = {}
     for metric in metrics or list(METRICS):
-        logs: dict[str, list[float]] = {}
+        logs: dict[int, list[float]] = {}
         if metric in PER_REPEAT:
-            for ra, rb in zip(before.repeats, after.repeats):
+            for r, (ra, rb) in enumerate(zip(before.repeats, after.repeats)):
                 va, vb = ra.get(metric), rb.get(metric)
                 if va is not None and vb is not None and va > 0 and vb > 0:
-                    logs.setdefault("rounds", []).append(math.log(vb / va))
+                    logs[r] = [math.log(vb / va)]
         else:
             first = {(s.request_id, s.repeat): getattr(s, metric) for s in before.samples}
             for s in after.samples:
                 va, vb = first.get((s.request_id, s.repeat)), getattr(s, metric)
                 if va is not None and vb is not None and va > 0 and vb > 0:
-                    logs.setdefault(s.request_id, []).append(math.log(vb / va))
+                    logs.setdefault(s.repeat, []).append(math.log(vb / va))
         interval = paired_interval(logs)
         if interval is not None:
             out[metric] = interval

@@ -5,7 +5,7 @@ under whatever else the machine was doing then. Setting the kept plan's last med
 baseline's is therefore not a measurement of "final vs baseline": on a busy machine two
 measurements of the *same* plan differed by up to 38% (issue 16). So after the last step the
 baseline and the final plan are served in the same rounds, A B / B A, with the rule of every step
-(:func:`~fractal_opt.measure.runner.measure_pair`, paired bootstrap intervals per metric, the
+(:func:`~fractal_opt.measure.runner.measure_pair`, paired t intervals over rounds per metric, the
 noise band of :func:`~fractal_opt.measure.noise.band`), and "final vs baseline" in trace.json,
 report.md and the terminal comes only from that comparison, with its intervals. When no pass was
 kept the final plan is the baseline: nothing is measured and no change is printed.

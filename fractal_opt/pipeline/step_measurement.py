@@ -152,7 +152,7 @@ class StepMeasurer:
         when nothing changed. Returns the second measurement and the calibration record.
 
         Rounds alternate A B / B A as in every step. After ``workload.repeats`` rounds, rounds are
-        added while the widest A/A interval of the ``watch`` metrics (the policy's objectives) is
+        added two at a time (one A B / B A pair) while the widest A/A interval of the ``watch`` metrics (the policy's objectives) is
         wider than ``min_effect`` on a side, up to :func:`calibration_rounds`. The record holds each
         metric's A/A change and interval, the rounds, the ``resolution`` (the smallest change the
         watched metrics can show) and ``busy`` (the load and other processes seen at the start);
@@ -174,11 +174,13 @@ class StepMeasurer:
             for runner in ((first, second) if rounds % 2 == 0 else (second, first)):
                 runner.round()
             rounds += 1
-            if rounds < wl.repeats:
+            if rounds >= cap:
+                break
+            if rounds < wl.repeats or (rounds - wl.repeats) % 2:  # extend by A B / B A pairs, as measure_pair does
                 continue
             watched = paired_changes(first.result(), second.result(), list(watch))
             widest = resolution(watched.values())
-            if widest <= self.min_effect or rounds >= cap:
+            if widest <= self.min_effect:
                 break
         a, b = first.result(), second.result()
         intervals = paired_changes(a, b)
