@@ -141,7 +141,7 @@ _TRANSFORMERS_SERVE_TABLE: dict[str, tuple[str, str]] = {
     "scheduling.batching": ("arg", "--continuous-batching (sequential / static: one request per generate call)"),
     "scheduling.max_concurrency": ("lost", "transformers serve admits every request it receives; cap concurrency in the reverse proxy"),
     "scheduling.streaming": ("request", "stream: true/false, chosen by each client"),
-    "scheduling.prefix_cache": ("lost", "a llama.cpp / vLLM prefix cache; transformers serve has none"),
+    "scheduling.prefix_cache": ("lost", "transformers serve has no flag for its paged cache's block sharing, which is on by default (prefix_cache: false is not honoured there)"),
     "scheduling.cb_max_batch_tokens": ("arg", "--cb-max-batch-tokens"),
     "scheduling.cb_num_blocks": ("arg", "--cb-num-blocks"),
     "scheduling.cb_page_size": ("arg", "--cb-block-size"),

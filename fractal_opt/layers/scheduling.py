@@ -6,7 +6,7 @@
   meets every guard: it doubles the level until a guard trips, then bisects.
 - ``streaming``: callers get tokens as they are generated, or all at the end.
 - ``queue``: a bounded queue and a per-request timeout.
-- ``prefix_cache``: the server reuses the KV cache of a prompt prefix it has seen (llama.cpp, vLLM).
+- ``prefix_cache``: the server reuses the KV cache of a prompt prefix it has seen (llama.cpp, vLLM, transformers' continuous batching).
 
 These passes change how requests are served, so the pipeline judges them under load (the
 workload's ``load`` profile): aggregate output tokens/s is the objective, TTFT / ITL percentiles
@@ -318,12 +318,14 @@ class Streaming(Pass):
 @register
 @dataclass(frozen=True, kw_only=True)
 class PrefixCache(Pass):
-    """Let the server reuse the KV cache of a prompt prefix it has already computed (llama.cpp, vLLM).
+    """Let the server reuse the KV cache of a prompt prefix it has already computed (llama.cpp, vLLM,
+    transformers' continuous batching).
 
     Chat turns and RAG prompts share long prefixes (a system prompt, the earlier turns), so a
     server that keeps their keys/values skips most of the prefill: it attacks TTFT. Off by default,
     because the measured suite repeats its prompts and a cached prefix then makes TTFT a cache hit:
-    keep it for workloads whose real traffic shares prefixes. transformers refuses it.
+    keep it for workloads whose real traffic shares prefixes. On transformers it is the paged
+    cache's block sharing (whole pages of ``cb_page_size`` tokens), so it needs continuous batching.
     """
 
     name = "prefix_cache"

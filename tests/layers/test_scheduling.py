@@ -30,6 +30,21 @@ def test_continuous_batching_sets_the_cb_config_fields():
     assert p.hardware == PLAN.hardware and p.application == PLAN.application
 
 
+def test_prefix_cache_is_transformers_block_sharing_and_off_unless_asked():
+    """transformers' paged cache shares prefix pages by default; the plan turns that on only with
+    the prefix_cache pass, and a sequential plan that asks for it is refused (no paged cache there)."""
+    from fractal_opt.layers.scheduling import PrefixCache
+    from fractal_opt.runtimes import refuse
+    from fractal_opt.runtimes.transformers.continuous import cb_config
+
+    continuous = Batching(mode="continuous").apply(PLAN)
+    assert cb_config(continuous.scheduling, in_flight=4, budget=8, seed=0).allow_block_sharing is False
+    shared = PrefixCache().apply(continuous)
+    assert cb_config(shared.scheduling, in_flight=4, budget=8, seed=0).allow_block_sharing is True
+    assert refuse(shared) is None
+    assert "continuous batching's paged cache" in (refuse(PrefixCache().apply(PLAN)) or "")
+
+
 def test_sequential_batching_resets_the_batch_size():
     """batching(mode=sequential) means one request per generate call whatever batch_size says."""
     static = Batching(mode="static", batch_size=4).apply(PLAN)

@@ -67,6 +67,9 @@ def cb_config(scheduling: Any, *, in_flight: int, budget: int, seed: int) -> Any
         max_memory_percent=scheduling.cb_max_memory_percent,
         max_requests_per_batch=in_flight,
         scheduler_type=scheduling.cb_scheduler,
+        # transformers shares the KV pages of a prompt prefix it has seen (on by default); only when
+        # the plan asks, so a repeated suite prompt does not turn TTFT into a cache hit unasked.
+        allow_block_sharing=scheduling.prefix_cache,
         auto_switch_to_flash=False,  # the hardware layer chooses the attention kernel, not the server
         drop_unsupported_processors=False,  # a decoding option CB cannot honour must fail, not vanish
         seed=seed,

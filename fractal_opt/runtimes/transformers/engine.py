@@ -181,8 +181,10 @@ class TransformersEngine(Engine):
                  "hardware.tensor_parallel": (hw.tensor_parallel, 1, "vLLM's tensor parallelism (transformers places layers with device_map)"),
                  "hardware.pipeline_parallel": (hw.pipeline_parallel, 1, "vLLM's pipeline parallelism (transformers places layers with device_map)"),
                  "hardware.n_batch": (hw.n_batch, None, "llama.cpp's tokens per decode call; transformers' continuous batching takes its tokens per step from scheduling.cb_max_batch_tokens (batching pass, max_batch_tokens)"),
-                 "hardware.n_ubatch": (hw.n_ubatch, None, "llama.cpp's tokens per forward pass; transformers runs a prompt's prefill in one forward pass"),
-                 "scheduling.prefix_cache": (plan.scheduling.prefix_cache, False, "cross-request prefix reuse is a llama.cpp / vLLM server feature")}
+                 "hardware.n_ubatch": (hw.n_ubatch, None, "llama.cpp's tokens per forward pass; transformers runs a prompt's prefill in one forward pass")}
+        if plan.scheduling.prefix_cache and plan.scheduling.batching != "continuous":
+            other["scheduling.prefix_cache"] = (True, False, "transformers reuses a prompt prefix's KV pages only in continuous batching's paged cache "
+                                                "(a batching: continuous pass first)")
         bad = [f"{name}={value!r}: {why}" for name, (value, default, why) in other.items() if value != default]
         if plan.model.quant_backend == "gguf":
             bad.append(f"model.quant_backend='gguf' ({plan.model.quant_method}): re-quantizes a GGUF file for the llama_cpp runtime; transformers quantizes with torchao, bitsandbytes or quanto")
