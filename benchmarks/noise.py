@@ -8,8 +8,10 @@
     detected ("worse beyond noise") in at least 95% of trials.
 
 Each trial is one pipeline comparison, decided with the pipeline's rule: measure_pair (A B / B A
-rounds), paired t interval over rounds of decode tokens/s, band = max(min_effect, inner half-width).
-A/A and slowdown trials alternate, so machine load falls on both alike.
+rounds, extended in pairs while unsettled), paired t interval over rounds of decode tokens/s,
+band = max(min_effect, inner half-width). A/A and slowdown trials alternate, so machine load falls
+on both alike. The spin's measured effect is printed (median over trials): on a VM whose speed
+drifts it was −12% in session 6 rather than the intended −9.1% (docs/metrics.md).
 
     python benchmarks/noise.py                       # 20 + 20 trials, 2 requests x 16 tokens, 4-8 rounds
     python benchmarks/noise.py --trials 5 --tokens 24 --requests 3
