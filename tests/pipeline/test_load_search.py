@@ -20,9 +20,9 @@ LEVELS = range(1, 65)
 def _knee_engine():
     """Static batching doubles the fake's speed; at concurrency c it decodes 2c x faster than the
     baseline while its first token takes c ms: prefill factor 1 / (2c^2) on top of the decode
-    factor 2c, at 1 ms base. A request of 8 tokens at 40 ms base per token then takes c + 160 / c
-    ms: throughput climbs to c = 12 and stays within 3% of that from 12 to 16, so only the SLO can
-    stop the search (at 10 ms per token it fell 15% from 8 to 12, and a loaded CI machine read a
+    factor 2c, at 1 ms base. A request of 8 tokens (7 gaps) at 40 ms base per token then takes
+    c + 140 / c ms: throughput climbs to c = 12 and stays within 5% of that from 12 to 16, so only
+    the SLO can stop the search (at 10 ms per token, c + 35 / c, it fell 17% from 8 to 12, and a loaded CI machine read a
     drop beyond the 25% noise band there: level 12 rolled back once). One measurement per level next to
     three CPU burners moved throughput by up to 13%, hence the 40% band."""
     speed = {"scheduling.batching": {"static": 2.0}, "scheduling.max_concurrency": {c: float(c) for c in LEVELS}}
