@@ -3,6 +3,8 @@ cached once, loaded by the llama_cpp runtime, refused by the runtimes that canno
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -18,7 +20,7 @@ LLAMA = Plan(source=MODEL, hardware=HardwarePlan(runtime="llama_cpp", threads=1)
 
 def _machine():
     machine = cpu_machine()
-    return machine.__class__(**{**machine.__dict__, "packages": {**machine.packages, "gguf": "0.19.0", "xllamacpp": "1"}})
+    return dataclasses.replace(machine, packages={**machine.packages, "gguf": "0.19.0", "xllamacpp": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +129,7 @@ def test_llama_cpp_serves_a_gguf_plan_and_the_other_runtimes_refuse_it():
 def test_the_engine_loads_the_requantized_copy(embedded, cache):
     """A q4_0 plan builds on the converted file (the census counts Q4_0 bytes, fewer than the source's Q4_1) and answers."""
     pytest.importorskip("xllamacpp", reason="xllamacpp is not installed (pip install xllamacpp)")
+    from fractal_opt.engine.protocol import as_request
     from fractal_opt.runtimes import build
     from fractal_opt.runtimes.llama_cpp.engine import clear_cache
 
@@ -135,16 +138,10 @@ def test_the_engine_loads_the_requantized_copy(embedded, cache):
         census = engine.census()
         assert "Q4_0" in census["bytes_by_type"] and "Q4_1" not in census["bytes_by_type"]
         assert census["weight_bytes"] < embedded.stat().st_size
-        assert len(engine.serve([engine_request()], max_new_tokens=4)[0].token_ids) >= 1
+        assert len(engine.serve([as_request("What is 2 + 2?")], max_new_tokens=4)[0].token_ids) >= 1
     finally:
         engine.close()
         clear_cache()
-
-
-def engine_request():
-    from fractal_opt.engine.protocol import as_request
-
-    return as_request("What is 2 + 2?")
 
 
 def test_llama_server_export_loads_the_requantized_file(embedded, cache):

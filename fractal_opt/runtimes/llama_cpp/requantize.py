@@ -1,8 +1,8 @@
 """Re-quantize a GGUF file to another ggml block type with the ``gguf`` package (llama.cpp's own Python library).
 
 The embedded SmolLM2 GGUF stores its blocks in Q4_1, which llama.cpp's CPU build here multiplies
-without its fast paths: prefill ran at ~165 prompt tokens/s. Q4_0 (repacked at load for the CPU)
-and Q8_0 have them (measured here, docs/runtimes.md). llama.cpp's own ``llama-quantize`` is a C++
+without its fast paths: prefill ran at 179 prompt tokens/s, against 430 for a Q4_0 copy (repacked
+at load for the CPU) and 307 for Q8_0 (benchmarks/gguf_types.py, session 6; docs/runtimes.md). llama.cpp's own ``llama-quantize`` is a C++
 tool that no wheel on the registry ships, so the conversion uses ``gguf.quants`` (numpy
 dequantize / quantize for every ggml type, maintained in llama.cpp's repository) and
 ``GGUFWriter``; only the copy loop is written here.
@@ -62,7 +62,7 @@ def requantize(source: Path, method: str, *, keep_head: bool = True, progress: C
     target = requantized_path(source, method, keep_head=keep_head)
     if target.is_file():
         return target
-    progress(f"re-quantizing {source.name} to {GGUF_TYPES[method]} once with the gguf package (about 10 s); cached in {target}")
+    progress(f"re-quantizing {source.name} to {GGUF_TYPES[method]} once with the gguf package (about 6 s for the embedded model); cached in {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".requantizing-", suffix=".gguf", dir=target.parent)
     os.close(fd)
