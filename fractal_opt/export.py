@@ -169,7 +169,8 @@ _LLAMA_SERVER_TABLE: dict[str, tuple[str, str]] = {
     "hardware.device_map": ("lost", "accelerate placement is a transformers feature"),
     "hardware.max_memory": ("lost", "accelerate placement is a transformers feature"),
     "hardware.offload_folder": ("lost", "accelerate placement is a transformers feature"),
-    "hardware.dtype": ("lost", "llama.cpp computes with the GGUF file's own weight types"),
+    "hardware.dtype": ("arg", "--model: llama.cpp computes in the GGUF's own weight types; bfloat16 / float16 name the copy widened to that type"),
+    "hardware.runtime_path": ("select", "the llama-server fractal_opt ran (native: built for the measuring CPU by make setup-llama-native); build one for the target's CPU"),
     "hardware.threads": ("arg", "--threads / --threads-batch"),
     "hardware.attention": ("lost", "llama.cpp uses its own attention kernel"),
     "hardware.matmul_precision": ("lost", _TORCH_ONLY),
@@ -444,24 +445,19 @@ def _vllm(plan: Plan, model: str, out: Export, host: str, port: int) -> dict[str
 def _llama_server(plan: Plan, model: str, out: Export, host: str, port: int) -> dict[str, str]:
     from .runtimes.llama_cpp.settings import refusals, server_settings
 
+    from .runtimes.llama_cpp.process import command
+    from .runtimes.llama_cpp.requantize import DTYPE_TARGETS
+
     reasons: dict[str, str] = {}
-    if plan.model.quant_backend == "gguf":
+    if plan.model.quant_backend == "gguf" or plan.hardware.dtype in DTYPE_TARGETS:
         model, why = _requantized_model(plan, model)
         if why:
-            reasons.update({"model.weight_bits": why, "model.quant_backend": why, "model.quant_method": why})
+            fields = ("model.weight_bits", "model.quant_backend", "model.quant_method") if plan.model.quant_backend == "gguf" else ("hardware.dtype",)
+            reasons.update(dict.fromkeys(fields, why))
     settings = server_settings(plan, model)
     a = plan.application
-    cmd = ["llama-server", "--model", model, "--host", host, "--port", str(port), "--parallel", str(settings.slots), "--ctx-size", str(settings.kv_tokens)]
-    if settings.unified:
-        cmd.append("--kv-unified")
-    if settings.threads is not None:
-        cmd += ["--threads", str(settings.threads), "--threads-batch", str(settings.threads)]
-    cmd += ["--flash-attn", settings.flash_attention]
-    cmd += [arg for flag, n in (("--batch-size", settings.n_batch), ("--ubatch-size", settings.n_ubatch)) if n is not None for arg in (flag, str(n))]
-    if settings.cache_type != "f16":
-        cmd += ["--cache-type-k", settings.cache_type, "--cache-type-v", settings.cache_type]
-    if not settings.prefix_cache:
-        cmd += ["--cache-ram", "0"]
+    # The flags the llama_cpp runtime measured with when it ran llama-server itself (one mapping).
+    cmd = command("llama-server", settings, port, host=host)
     if a.max_new_tokens:
         cmd += ["--n-predict", str(a.max_new_tokens)]
     if a.do_sample:
@@ -489,7 +485,7 @@ def _requantized_model(plan: Plan, model: str) -> tuple[str, str | None]:
 
     The file is the one the llama_cpp runtime measured (cached; made now if it is not)."""
     from .models import resolve
-    from .runtimes.llama_cpp.requantize import model_file
+    from .runtimes.llama_cpp.requantize import DTYPE_TARGETS, model_file
 
     try:
         source = resolve(model)
@@ -498,8 +494,10 @@ def _requantized_model(plan: Plan, model: str) -> tuple[str, str | None]:
     else:
         problem = None if source.kind in ("gguf", "embedded") else f"{model!r} is not a GGUF file"
     if source is None or problem:
-        return model, (f"{problem}; re-quantize the GGUF on the target: python -m fractal_opt.runtimes.llama_cpp.requantize MODEL.gguf "
-                       f"--type {plan.model.quant_method}" + ("" if "lm_head" in plan.model.quant_skip else " --requantize-head"))
+        gguf = plan.model.quant_backend == "gguf"
+        target = plan.model.quant_method if gguf else DTYPE_TARGETS[plan.hardware.dtype]
+        return model, (f"{problem}; convert the GGUF on the target: python -m fractal_opt.runtimes.llama_cpp.requantize MODEL.gguf "
+                       f"--type {target}" + ("" if not gguf or "lm_head" in plan.model.quant_skip else " --requantize-head"))
     return str(model_file(plan, source.path, progress=lambda _: None)), None
 
 

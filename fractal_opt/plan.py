@@ -80,7 +80,7 @@ class HardwarePlan:
     # they set the matmul shapes of prefill: numerics, like any kernel choice.
     n_batch: int | None = field(default=None, metadata=NUMERICS)  # llama.cpp: tokens per decode call, all slots together (logical batch)
     n_ubatch: int | None = field(default=None, metadata=NUMERICS)  # llama.cpp: tokens per forward pass (physical batch), <= n_batch
-    runtime_path: str | None = field(default=None, metadata=WEIGHTS)  # vllm: the `vllm` executable (None = $FRACTAL_OPT_VLLM, then .venv-vllm/bin/vllm)
+    runtime_path: str | None = field(default=None, metadata=WEIGHTS)  # vllm: the `vllm` executable (None = $FRACTAL_OPT_VLLM, then .venv-vllm/bin/vllm); llama_cpp: a llama-server executable or "native" (None = xllamacpp in this process)
     runtime_url: str | None = field(default=None, metadata=WEIGHTS)  # vllm: base URL of a running OpenAI-compatible server (then nothing is started)
     tensor_parallel: int = field(default=1, metadata=WEIGHTS)  # vllm: GPUs each layer is split over (--tensor-parallel-size)
     pipeline_parallel: int = field(default=1, metadata=WEIGHTS)  # vllm: GPUs / nodes the layers are split over (--pipeline-parallel-size)

@@ -181,6 +181,11 @@ class Engine(abc.ABC):
         probed = self.machine.torch_threads if self.machine is not None else None
         return max(1, probed or os.cpu_count() or 1)
 
+    def server_pids(self) -> list[int]:
+        """Processes that serve this engine's requests besides this one (a child server): their
+        peak memory and CPU time count in the measurement. None by default (in-process runtimes)."""
+        return []
+
     def encode(self, text: str) -> list[int]:
         """The token ids of ``text`` as this deployment's tokenizer reads it, no special tokens added
         (the quality probes score the reference text with them). A runtime without one raises."""

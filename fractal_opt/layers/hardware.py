@@ -43,16 +43,21 @@ class Runtime(Pass):
     layer = Layer.HARDWARE
 
     backend: Literal["transformers", "llama_cpp", "vllm"] = "llama_cpp"
-    # vllm only: where vLLM is (None = $FRACTAL_OPT_VLLM_URL / $FRACTAL_OPT_VLLM, then .venv-vllm),
-    # and how many GPUs one layer (tensor) or the stack of layers (pipeline) is split over.
+    # vllm: the `vllm` executable (None = $FRACTAL_OPT_VLLM, then .venv-vllm); llama_cpp: a
+    # llama-server executable to run as a child process, or "native" for the one
+    # `make setup-llama-native` builds for this CPU (None = xllamacpp in this process).
     path: str | None = None
+    # vllm only: a running server (None = $FRACTAL_OPT_VLLM_URL), and how many GPUs one layer
+    # (tensor) or the stack of layers (pipeline) is split over.
     url: str | None = None
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
 
     def __post_init__(self) -> None:
+        if self.backend == "transformers" and self.path is not None:
+            raise RecipeError(f"pass 'runtime': 'path' applies to backends 'vllm' and 'llama_cpp', got backend 'transformers' with path {self.path!r}.")
         if self.backend != "vllm":
-            extra = {k: v for k, v in (("path", self.path), ("url", self.url)) if v is not None}
+            extra = {k: v for k, v in (("url", self.url),) if v is not None}
             extra.update({k: v for k, v in (("tensor_parallel", self.tensor_parallel), ("pipeline_parallel", self.pipeline_parallel)) if v != 1})
             if extra:
                 raise RecipeError(f"pass 'runtime': {sorted(extra)} apply to backend 'vllm' only, got backend {self.backend!r} with {extra}.")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import resource
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["SAMPLE_S", "GpuMonitor", "MemoryWindow"]
@@ -31,16 +32,20 @@ class MemoryWindow:
     Args:
         device: "cpu", "cuda[:i]" or "mps".
         method: "auto" (VmHWM on Linux, else the sampler), "vmhwm", "sampler" or "ru_maxrss".
+        pids: other processes whose memory counts too (a runtime's child server): with VmHWM each
+            one's own peak is added (an upper bound of the peak of the sum, exact when one of them
+            holds still); the sampler adds their RSS at every reading.
 
     After the block: ``peak_mb`` (RSS, or CUDA max allocated on a GPU), ``source`` (how it was
     measured), ``cuda_reserved_mb`` (GPU only) and ``samples`` (sampler readings taken).
     """
 
-    def __init__(self, device: str = "cpu", *, method: str = "auto"):
+    def __init__(self, device: str = "cpu", *, method: str = "auto", pids: Sequence[int] = ()):
         if method not in ("auto", "vmhwm", "sampler", "ru_maxrss"):
             raise ValueError(f"MemoryWindow: unknown method {method!r}; valid: auto, vmhwm, sampler, ru_maxrss")
         self.device = device
         self.method = method
+        self.pids = tuple(pids)
         self.peak_mb: float | None = None
         self.cuda_reserved_mb: float | None = None
         self.source = "rss"
@@ -56,22 +61,23 @@ class MemoryWindow:
             torch.cuda.reset_peak_memory_stats()
             self.source = "cuda_max_allocated"
             return self
-        if self.method in ("auto", "vmhwm") and _reset_hwm():
+        if self.method in ("auto", "vmhwm") and _reset_hwm() and all(_reset_hwm(pid) for pid in self.pids):
             self.source = "vmhwm"
         elif self.method in ("auto", "sampler") and _rss_bytes() is not None:
             self.source = "sampler"
-            self._peak_bytes = _rss_bytes() or 0
+            self._peak_bytes = self._rss()
             self._thread = threading.Thread(target=self._sample, name="fractal-opt-rss-sampler", daemon=True)
             self._thread.start()
         else:
             self.source = "ru_maxrss"  # cannot be reset: the peak since the process started
         return self
 
+    def _rss(self) -> int:
+        return sum(_rss_bytes(pid) or 0 for pid in (None, *self.pids))
+
     def _sample(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            rss = _rss_bytes()
-            if rss is not None and rss > self._peak_bytes:
-                self._peak_bytes = rss
+            self._peak_bytes = max(self._peak_bytes, self._rss())
             self.samples += 1
 
     def __exit__(self, *exc: object) -> None:
@@ -81,12 +87,12 @@ class MemoryWindow:
             self.peak_mb = torch.cuda.max_memory_allocated() / 2**20
             self.cuda_reserved_mb = torch.cuda.max_memory_reserved() / 2**20
         elif self.source == "vmhwm":
-            self.peak_mb = _read_hwm_kb() / 1024
+            self.peak_mb = sum(_read_hwm_kb(pid) for pid in (None, *self.pids)) / 1024
         elif self.source == "sampler":
             self._stop.set()
             assert self._thread is not None
             self._thread.join()
-            self._peak_bytes = max(self._peak_bytes, _rss_bytes() or 0)  # the last moment counts too
+            self._peak_bytes = max(self._peak_bytes, self._rss())  # the last moment counts too
             self.peak_mb = self._peak_bytes / 2**20
         else:
             # ru_maxrss is KiB on Linux, bytes on macOS.
@@ -94,19 +100,20 @@ class MemoryWindow:
             self.peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
 
 
-def _reset_hwm() -> bool:
-    # Writing 5 to clear_refs resets the peak-RSS counter (VmHWM) of this process (Linux >= 4.0).
+def _reset_hwm(pid: int | None = None) -> bool:
+    # Writing 5 to clear_refs resets the peak-RSS counter (VmHWM) of a process (Linux >= 4.0;
+    # another process's needs the right to write it: a child of this user's).
     try:
-        with open("/proc/self/clear_refs", "w") as f:
+        with open(f"/proc/{pid or 'self'}/clear_refs", "w") as f:
             f.write("5")
-        return _read_hwm_kb() > 0
+        return _read_hwm_kb(pid) > 0
     except OSError:
         return False
 
 
-def _read_hwm_kb() -> float:
+def _read_hwm_kb(pid: int | None = None) -> float:
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid or 'self'}/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return float(line.split()[1])
@@ -115,12 +122,12 @@ def _read_hwm_kb() -> float:
     return 0.0
 
 
-def _rss_bytes() -> int | None:
+def _rss_bytes(pid: int | None = None) -> int | None:
     try:
         import psutil
 
-        return int(psutil.Process().memory_info().rss)
-    except Exception:  # psutil missing or the platform refuses: the caller falls back
+        return int(psutil.Process(pid).memory_info().rss)
+    except Exception:  # psutil missing, the process gone, or the platform refuses: the caller falls back
         return None
 
 

@@ -46,6 +46,24 @@ if TYPE_CHECKING:
 __all__ = ["Runner", "in_own_thread", "measure", "measure_pair", "paired_changes"]
 
 
+def _cpu_s(pids: Sequence[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` (and their children) used so far."""
+    if not pids:
+        return 0.0
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for p in (proc, *proc.children(recursive=True)):
+                t = p.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:  # ended between the readings: its time is lost, the rest counts
+            continue
+    return total
+
+
 def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` on a new thread that ends when it returns; its result or its exception.
 
@@ -115,12 +133,14 @@ class Runner:
         r = len(self.repeats)
         self.activate_s += self.engine.activate()  # before the clock: e.g. llama.cpp reloads its server if another plan's was resident
         self.engine.reset_response_cache()  # every round starts cold: hits come from repeats within the round
-        cpu0 = os.times()
-        with MemoryWindow(self.device) as mem, GpuMonitor(self.device) as gpu:
+        # A child server's memory and CPU time are the engine's too (getattr: duck-typed engines, e.g. test fakes).
+        pids = getattr(self.engine, "server_pids", list)()
+        cpu0, child0 = os.times(), _cpu_s(pids)
+        with MemoryWindow(self.device, pids=pids) as mem, GpuMonitor(self.device) as gpu:
             served = in_own_thread(self.source.serve, r)
-        cpu1 = os.times()
+        cpu1, child1 = os.times(), _cpu_s(pids)
         self.source.check_memory(mem.peak_mb, self.capacity_mb)
-        cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+        cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system) + (child1 - child0)
         row = round_readings(output_tokens=served.output_tokens, wall_s=served.wall_s, cpu_s=cpu_s, threads=self.threads,
                              peak_mb=mem.peak_mb, capacity=self.capacity_mb)
         row.update(served.readings)

@@ -1,4 +1,5 @@
-"""LlamaCppEngine: the Engine protocol on llama.cpp's server, in this process, through ``xllamacpp``.
+"""LlamaCppEngine: the Engine protocol on llama.cpp's server, in this process through ``xllamacpp``,
+or as a ``llama-server`` child process when the plan names one (``hardware.runtime_path``, :mod:`.process`).
 
 ``xllamacpp.Server`` is llama.cpp's HTTP server without the HTTP: ``handle_chat_completions(body,
 callback)`` blocks the calling thread while llama.cpp's own loop (continuous batching over
@@ -143,16 +144,14 @@ class LlamaCppEngine(Engine):
         reason = cls.refuse(plan)
         if reason:
             raise EngineError(f"the llama_cpp runtime cannot serve this plan: {reason}")
-        try:
-            import xllamacpp as xlc
-        except ImportError:
-            raise EngineError("the llama_cpp runtime needs xllamacpp: pip install xllamacpp (a prebuilt CPU wheel)") from None
         source = resolve(plan.source)
         cores = (machine or Machine.probe()).physical_cores if plan.hardware.threads == "auto" else None
         settings = server_settings(plan, str(model_file(plan, source.path, progress=progress)), physical_cores=cores)
+        start = _starter(settings)
         if settings not in _SERVERS:
-            progress(f"loading {os.path.basename(settings.model_path)} into llama.cpp ({settings.slots} slot(s), KV cache of {settings.kv_tokens} tokens{' shared' if settings.unified else ''})")
-        handle = _Resident(settings, plan.weights_key(), xlc.Server)
+            where = f"a llama-server process ({settings.executable})" if settings.executable else "llama.cpp in this process"
+            progress(f"loading {os.path.basename(settings.model_path)} into {where} ({settings.slots} slot(s), KV cache of {settings.kv_tokens} tokens{' shared' if settings.unified else ''})")
+        handle = _Resident(settings, plan.weights_key(), start)
         load_s = handle.load()
         return cls(plan, handle, settings, machine=machine, load_s=load_s, max_new_tokens=max_new_tokens)
 
@@ -160,6 +159,13 @@ class LlamaCppEngine(Engine):
         """Make this engine's server the resident one (reloading it if another plan's server was
         used since), before a timed round; returns the seconds the reload took (0 when resident)."""
         return self.model.load() if isinstance(self.model, _Resident) else 0.0
+
+    def server_pids(self) -> list[int]:
+        """The llama-server child's pid when the plan runs one (its memory and CPU time count as
+        this engine's); none for xllamacpp in this process."""
+        if self.settings.executable is None or not isinstance(self.model, _Resident):
+            return []
+        return [self.model.server().pid]
 
     def census(self) -> dict[str, Any]:
         """Weights by GGUF storage type, quantized linear layers, and the KV cache llama.cpp allocated."""
@@ -369,10 +375,10 @@ class _Resident:
     loaded on first use and again whenever another plan's server was resident since, so only
     :data:`_SERVERS` ever holds a server (a server stops when its last reference goes)."""
 
-    def __init__(self, settings: ServerSettings, weights_key: tuple, server_class: Callable[[Any], Any]):
+    def __init__(self, settings: ServerSettings, weights_key: tuple, start: Callable[[ServerSettings], Any]):
         self.settings = settings
         self.weights_key = weights_key
-        self.server_class = server_class
+        self.start = start  # settings -> a started server (xllamacpp.Server, or a LlamaServerProcess)
         self.loads = 0  # times this server was loaded (more than one: another plan's was resident in between)
 
     def load(self) -> float:
@@ -390,7 +396,7 @@ class _Resident:
             _SERVERS.clear()
             gc.collect()  # the other server's threads stop here, before this one starts its own
             start = time.perf_counter()
-            server = self.server_class(common_params(self.settings))
+            server = self.start(self.settings)
             _wait_until_serving(server)
             _SERVERS[self.settings] = (server, self.weights_key)
             self.loads += 1
@@ -401,6 +407,24 @@ class _Resident:
 
     def handle_completions(self, body: dict[str, Any]) -> Any:
         return self.server().handle_completions(body)
+
+
+def _starter(settings: ServerSettings) -> Callable[[ServerSettings], Any]:
+    """How to start the server for ``settings``: a llama-server child process when the plan names
+    an executable (:mod:`.process`), else xllamacpp's server in this process.
+
+    Raises:
+        EngineError: in-process serving without the xllamacpp package.
+    """
+    if settings.executable is not None:
+        from .process import LlamaServerProcess
+
+        return LlamaServerProcess
+    try:
+        import xllamacpp as xlc
+    except ImportError:
+        raise EngineError("the llama_cpp runtime needs xllamacpp: pip install xllamacpp (a prebuilt CPU wheel)") from None
+    return lambda s: xlc.Server(common_params(s))
 
 
 def _wait_until_serving(server: Any) -> None:

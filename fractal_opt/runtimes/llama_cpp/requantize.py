@@ -32,13 +32,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GGUF_BITS", "GGUF_TYPES", "model_file", "requantize", "requantized_path"]
+__all__ = ["DTYPE_TARGETS", "GGUF_BITS", "GGUF_TYPES", "model_file", "requantize", "requantized_path"]
 
-# quant_method -> ggml type name and its bits (the model layer's quantize pass, backend gguf).
-GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
+# Target -> ggml type name: the model layer's quantize pass (backend gguf) writes the block types,
+# the hardware layer's dtype pass the 16-bit float types.
+GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "bf16": "BF16", "f16": "F16"}
+# quant_method -> its bits (the quantize pass, backend gguf).
 GGUF_BITS = {"q8_0": 8, "q4_0": 4}
+# plan.hardware.dtype -> target: llama.cpp computes in the stored weight type, so on llama_cpp a
+# 16-bit dtype is a copy of the GGUF whose quantized blocks are widened to that float type.
+DTYPE_TARGETS = {"bfloat16": "bf16", "float16": "f16"}
 _FULL_PRECISION = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
-_FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0"}
+_FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "BF16": "MOSTLY_BF16", "F16": "MOSTLY_F16"}
 
 
 def requantized_path(source: Path, method: str, *, keep_head: bool = True) -> Path:
@@ -52,7 +57,7 @@ def requantized_path(source: Path, method: str, *, keep_head: bool = True) -> Pa
 
 
 def requantize(source: Path, method: str, *, keep_head: bool = True, progress: Callable[[str], None] = print) -> Path:
-    """The path of ``source`` re-quantized to ``method`` (``q8_0`` | ``q4_0``), converting once.
+    """The path of ``source`` re-quantized to ``method`` (``q8_0`` | ``q4_0`` | ``bf16`` | ``f16``), converting once.
 
     Raises:
         ValueError: an unknown method.
@@ -77,12 +82,16 @@ def requantize(source: Path, method: str, *, keep_head: bool = True, progress: C
 
 
 def model_file(plan: Any, source: Path, *, progress: Callable[[str], None] = print) -> Path:
-    """The GGUF file llama.cpp loads for ``plan``: ``source``, or its re-quantized copy when the
-    plan's weights use the gguf backend (converted on first use)."""
+    """The GGUF file llama.cpp loads for ``plan``: ``source``, or its copy (converted on first use)
+    re-quantized when the plan's weights use the gguf backend, or widened to a 16-bit dtype."""
     m = plan.model
-    if m.quant_backend != "gguf":
-        return source
-    return requantize(source, m.quant_method, keep_head="lm_head" in m.quant_skip, progress=progress)
+    if m.quant_backend == "gguf":
+        return requantize(source, m.quant_method, keep_head="lm_head" in m.quant_skip, progress=progress)
+    if plan.hardware.dtype in DTYPE_TARGETS:
+        # The tied Q8_0 head stays as stored: widening it would add a 49152 x 576 matmul in
+        # 16 bits per token for no change in its values.
+        return requantize(source, DTYPE_TARGETS[plan.hardware.dtype], keep_head=True, progress=progress)
+    return source
 
 
 def _head_name(names: set[str]) -> str:

@@ -1,5 +1,6 @@
-"""The plan -> llama.cpp mapping: which plan fields become ``CommonParams`` (load time) or request
-fields (per request), and which ones llama.cpp cannot honour (:func:`refusals`).
+"""The plan -> llama.cpp mapping: which plan fields become ``CommonParams`` (load time; the same
+settings become ``llama-server`` flags in :func:`.process.command`) or request fields (per
+request), and which ones llama.cpp cannot honour (:func:`refusals`).
 
 Pure functions of the plan (no model, no xllamacpp import except in :func:`common_params`), so
 ``LlamaCppEngine.refuse(plan)`` costs nothing and recipe checks can call it before any load.
@@ -16,7 +17,8 @@ from typing import Any
 
 from ...batch_sizes import N_BATCH_DEFAULT, N_UBATCH_DEFAULT, batch_problems
 from ...plan import Plan
-from .requantize import GGUF_BITS
+from .process import executable_problem, resolve_executable
+from .requantize import DTYPE_TARGETS, GGUF_BITS
 
 __all__ = ["KV_CACHE_TYPES", "N_BATCH_DEFAULT", "N_UBATCH_DEFAULT", "ServerSettings", "batch_problems", "common_params", "describe", "refusals", "request_body", "server_settings"]
 
@@ -52,6 +54,7 @@ class ServerSettings:
     prefix_cache: bool = False  # reuse a prompt prefix's KV across requests (llama.cpp's prompt cache)
     n_batch: int | None = None  # tokens per llama_decode call; None = llama.cpp's default (N_BATCH_DEFAULT)
     n_ubatch: int | None = None  # tokens per forward pass; None = llama.cpp's default (N_UBATCH_DEFAULT)
+    executable: str | None = None  # a llama-server to run as a child process (.process); None = xllamacpp in this process
 
     @property
     def context_per_request(self) -> int:
@@ -79,8 +82,10 @@ def refusals(plan: Plan) -> list[str]:
             no(f"hardware.{name}", getattr(hw, name), "accelerate placement is a transformers feature; llama.cpp runs the whole model on the CPU here")
     if hw.max_memory:
         no("hardware.max_memory", hw.max_memory, "accelerate placement is a transformers feature")
-    if hw.dtype != "float32":
-        no("hardware.dtype", hw.dtype, "llama.cpp computes with the weight types stored in the GGUF file (see census bytes_by_type); convert the model to an f16/bf16 GGUF instead")
+    if hw.dtype != "float32" and hw.dtype not in DTYPE_TARGETS:
+        no("hardware.dtype", hw.dtype, f"llama.cpp computes in the GGUF's stored weight types; the dtypes it maps (a copy of the GGUF in that type) are {['float32', *DTYPE_TARGETS]}")
+    elif hw.dtype in DTYPE_TARGETS and m.quant_backend == "gguf":
+        no("hardware.dtype", hw.dtype, f"the GGUF is rewritten in one weight type, and the plan also re-quantizes it to {m.quant_method} (quantize pass, backend gguf): keep one of the two")
     if hw.attention != "sdpa":
         no("hardware.attention", hw.attention, "transformers attention kernels do not exist in llama.cpp, which uses its own (flash attention is its own setting)")
     if hw.matmul_precision != "highest":
@@ -98,9 +103,10 @@ def refusals(plan: Plan) -> list[str]:
             # llama_context runs min(n_ctx, n_batch) for a causal model: the excess is never used.
             no(f"hardware.{name}", value, f"exceeds the plan's KV cache of {kv_tokens} tokens (n_ctx), to which llama.cpp silently lowers it; "
                "set at most that, or raise model.context_cap")
-    for name in ("runtime_path", "runtime_url"):
-        if getattr(hw, name) is not None:
-            no(f"hardware.{name}", getattr(hw, name), "where to find vLLM; llama.cpp runs in this process from the xllamacpp package")
+    if hw.runtime_path is not None and (problem := executable_problem(hw.runtime_path)):
+        out.append(problem)
+    if hw.runtime_url is not None:
+        no("hardware.runtime_url", hw.runtime_url, "a running server is vLLM's option; the llama_cpp runtime starts its own llama-server (runtime_path) or runs xllamacpp in this process")
     for name in ("tensor_parallel", "pipeline_parallel"):
         if getattr(hw, name) != 1:
             no(f"hardware.{name}", getattr(hw, name), "splitting a model over GPUs is vLLM's (runtime: vllm); this llama.cpp build runs on one CPU")
@@ -180,6 +186,7 @@ def server_settings(plan: Plan, model_path: str, *, physical_cores: int | None =
         prefix_cache=s.prefix_cache,
         n_batch=hw.n_batch,
         n_ubatch=hw.n_ubatch,
+        executable=str(resolve_executable(hw.runtime_path)) if hw.runtime_path is not None else None,
     )
 
 

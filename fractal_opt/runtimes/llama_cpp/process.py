@@ -1,0 +1,196 @@
+"""llama.cpp's own ``llama-server`` as a child process: the llama_cpp runtime's second transport.
+
+The default transport is xllamacpp's server in this process (:mod:`.engine`). A plan with
+``hardware.runtime_path`` runs a ``llama-server`` executable instead, as a child process on a
+loopback port, and sends it the same request bodies over HTTP: the two are the same C++ server
+(xllamacpp compiles llama.cpp's ``tools/server``), so :class:`LlamaServerProcess` answers the two
+calls the engine makes, ``handle_chat_completions(body, callback)`` and ``handle_completions(body)``,
+with the same chunks, and everything above them (slots, clocks, quality probes) is unchanged.
+
+Why a second transport: the xllamacpp wheel is built for any x86-64 CPU (its CPU backend reports
+AVX2 and no AVX-512), and no wheel on the registry ships a ``llama-server`` built for this CPU.
+``scripts/build-llama-server.sh`` (``make setup-llama-native``) compiles one from the llama.cpp
+sources inside xllamacpp's own sdist (the same llama.cpp version), with ``GGML_NATIVE=ON``; the
+path value ``native`` names that build. Measured in session 7 on the project's 2-core AMD EPYC
+(AVX-512, AVX512_BF16), chat load with 8 clients: BF16 weights 61.6 output tokens/s in process
+through the wheel and 139-153 from the native build; Q4_0 102 and 134 (docs/runtimes.md).
+A child process also has its own OpenMP runtime, so it never shares spin-waiting threads with
+torch or with another server in this process (docs/runtimes.md, "one server at a time").
+
+A :class:`LlamaServerProcess` stops when the last reference to it goes (as an
+``xllamacpp.Server`` does), at :meth:`LlamaServerProcess.stop`, or when Python exits.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ...errors import EngineError
+from ..child_process import ServerProcess, free_port
+
+__all__ = ["NATIVE", "LlamaServerProcess", "command", "executable_problem", "native_executable", "resolve_executable"]
+
+NATIVE = "native"  # hardware.runtime_path value: the llama-server that scripts/build-llama-server.sh built
+_START_TIMEOUT_S = 120.0  # loading the embedded model takes ~1 s; a large GGUF from a cold disk takes longer
+_READ_TIMEOUT_S = 600.0  # per socket read: a hung server surfaces as an error
+_BUILD_HINT = "make setup-llama-native (scripts/build-llama-server.sh) builds llama.cpp's llama-server for this CPU in about 5 minutes"
+
+
+def native_executable() -> Path:
+    """Where ``scripts/build-llama-server.sh`` puts the llama-server it builds for this CPU:
+    ``cache_dir()/llama-native/<xllamacpp version>/llama-server`` (the sources are that version's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ...models import cache_dir
+
+    try:
+        tag = version("xllamacpp")
+    except PackageNotFoundError:
+        tag = "unknown"
+    return cache_dir() / "llama-native" / tag / "llama-server"
+
+
+def resolve_executable(path: str) -> Path:
+    """The executable a ``hardware.runtime_path`` value names (``native``: :func:`native_executable`)."""
+    return native_executable() if path == NATIVE else Path(path).expanduser()
+
+
+def executable_problem(path: str) -> str | None:
+    """Why ``hardware.runtime_path=path`` cannot be launched, or None. Looks at the file only."""
+    exe = resolve_executable(path)
+    if exe.is_file() and os.access(exe, os.X_OK):
+        return None
+    what = f"no llama-server built for this CPU at {exe}" if path == NATIVE else f"{str(exe)!r} is not an executable file"
+    return f"hardware.runtime_path={path!r}: {what}; {_BUILD_HINT}, or give the path of a llama-server executable"
+
+
+def command(executable: str, settings: Any, port: int, *, host: str = "127.0.0.1") -> list[str]:
+    """The ``llama-server`` command line for ``settings`` (:class:`.settings.ServerSettings`): the
+    same load-time settings :func:`.settings.common_params` gives xllamacpp, as llama.cpp's flags
+    (also what ``fractal-opt export --target llama-server`` prints)."""
+    cmd = [executable, "--model", settings.model_path, "--host", host, "--port", str(port),
+           "--parallel", str(settings.slots), "--ctx-size", str(settings.kv_tokens),
+           "--kv-unified" if settings.unified else "--no-kv-unified",
+           "--cache-type-k", settings.cache_type, "--cache-type-v", settings.cache_type,
+           "--flash-attn", settings.flash_attention]
+    if settings.threads is not None:
+        cmd += ["--threads", str(settings.threads), "--threads-batch", str(settings.threads)]  # prefill uses the batch threads
+    if settings.n_batch is not None:
+        cmd += ["--batch-size", str(settings.n_batch)]
+    if settings.n_ubatch is not None:
+        cmd += ["--ubatch-size", str(settings.n_ubatch)]
+    # As in common_params: prefix reuse only when the plan asks (a cache hit is not a prefill).
+    cmd += ["--cache-prompt"] if settings.prefix_cache else ["--no-cache-prompt", "--cache-ram", "0"]
+    return cmd
+
+
+class LlamaServerProcess:
+    """A ``llama-server`` child for ``settings``, answering the engine's two xllamacpp calls over HTTP.
+
+    Raises:
+        EngineError: the server could not start, exited, or was not serving within the timeout
+            (the message ends with its last log lines).
+    """
+
+    def __init__(self, settings: Any, *, start_timeout_s: float = _START_TIMEOUT_S):
+        if settings.executable is None:
+            raise EngineError("LlamaServerProcess needs settings.executable (hardware.runtime_path)")
+        port = free_port()
+        self.process = ServerProcess([*command(settings.executable, settings, port), "--no-webui"], env={}, port=port, log_prefix="fractal-opt-llama-server-")
+        # Stop the child once nothing refers to this object any more, like an xllamacpp.Server
+        # whose last reference goes (the one-resident rule in .engine drops servers that way).
+        self._finalizer = weakref.finalize(self, self.process.stop, grace_s=5.0)
+        self.port = port
+        self._wait_healthy(start_timeout_s)
+        self.process.ready = True
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        """End the child now (idempotent)."""
+        self._finalizer()
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        start = time.perf_counter()
+        while time.perf_counter() - start < timeout_s:
+            if not self.process.alive():
+                raise EngineError(f"llama-server exited with status {self.process.proc.returncode} while loading; its log ({self.process.log_path}) ends:\n{self.process.log_tail()}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2.0)
+                conn.request("GET", "/health")
+                status = conn.getresponse().status
+                conn.close()
+                if status == 200:
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.05)
+        self.stop()
+        raise EngineError(f"llama-server was not serving after {timeout_s:.0f} s; its log ({self.process.log_path}) ends:\n{self.process.log_tail()}")
+
+    def _post(self, path: str, body: dict[str, Any]) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=_READ_TIMEOUT_S)
+        try:
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            return conn, conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            alive = "" if self.process.alive() else f" (llama-server exited with status {self.process.proc.returncode}; its log ends:\n{self.process.log_tail()})"
+            raise EngineError(f"POST {path} to llama-server failed: {e}{alive}") from e
+
+    def handle_chat_completions(self, body: dict[str, Any], callback: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        """Stream one chat completion, calling ``callback`` with every chunk (as xllamacpp does);
+        ``callback`` returning True ends the request: closing the connection makes llama-server
+        cancel it and free its slot. Returns ``{"error": ...}`` when llama-server refused it."""
+        conn, response = self._post("/v1/chat/completions", body)
+        try:
+            if response.status != 200:
+                return _error(response)
+            for raw in response:
+                line = raw.strip()
+                # Server-sent events: "data: {chunk}" per token, "error: {...}" when the request
+                # failed after the stream began, blank separators.
+                if line.startswith(b"data:"):
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    if callback(json.loads(data)):
+                        break
+                elif line.startswith(b"error:"):
+                    callback({"error": _error_body(json.loads(line[6:].strip()))})
+                    break
+        finally:
+            conn.close()
+        return None
+
+    def handle_completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One non-streamed ``/v1/completions`` answer, or ``{"error": ...}``."""
+        conn, response = self._post("/v1/completions", body)
+        try:
+            return _error(response) if response.status != 200 else json.loads(response.read())
+        finally:
+            conn.close()
+
+
+def _error(response: http.client.HTTPResponse) -> dict[str, Any]:
+    text = response.read().decode(errors="replace")
+    try:
+        return {"error": _error_body(json.loads(text))}
+    except ValueError:
+        return {"error": {"message": f"HTTP {response.status}: {text[:300]}"}}
+
+
+def _error_body(parsed: Any) -> dict[str, Any]:
+    """llama-server's ``{"error": {"code", "message", "type"}}`` (or the bare inner object)."""
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        return parsed["error"]
+    return parsed if isinstance(parsed, dict) else {"message": str(parsed)}

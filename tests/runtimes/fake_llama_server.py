@@ -1,0 +1,102 @@
+"""A stand-in for llama.cpp's ``llama-server`` executable, for the llama_cpp runtime's process tests.
+
+Run as ``fake_llama_server.py --model M --host 127.0.0.1 --port N [llama-server flags]``: it writes
+its argument list as JSON to ``$FAKE_LLAMA_ARGS`` (when set), then serves the subset of
+llama-server's API the runtime uses, in llama-server's own shapes:
+
+- ``GET /health``: 200 once listening.
+- ``POST /v1/chat/completions`` with ``stream: true``: one SSE ``data:`` chunk per token (token i is
+  ``" w{i}"`` with id ``100 + i``, its id in ``logprobs.content``), a chunk with ``finish_reason``
+  ``"length"`` and llama.cpp's ``timings``, a usage chunk, ``[DONE]``. A message containing
+  ``TOO LONG`` is refused with HTTP 400 and an ``exceed_context_size_error``, as llama-server
+  refuses a prompt over the slot's context.
+- ``POST /v1/completions``: one token with ``n_probs`` top log-probabilities.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+PROMPT_TOKENS = 7
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:  # quiet
+        pass
+
+    def _json(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path == "/health":
+            self._json(200, {"status": "ok"})
+        else:
+            self._json(404, {"error": {"code": 404, "message": "not found", "type": "not_found_error"}})
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        if self.path == "/v1/completions":
+            k = int(body.get("n_probs") or 1)
+            top = [{"id": 100 + j, "token": f" w{j}", "logprob": -0.5 * (j + 1)} for j in range(k)]
+            self._json(200, {"choices": [{"text": " w0", "index": 0, "finish_reason": "length",
+                                          "logprobs": {"content": [{"id": 100, "token": " w0", "logprob": -0.5, "top_logprobs": top}]}}]})
+            return
+        if self.path != "/v1/chat/completions":
+            self._json(404, {"error": {"code": 404, "message": "not found", "type": "not_found_error"}})
+            return
+        if any("TOO LONG" in str(m.get("content")) for m in body.get("messages") or ()):
+            self._json(400, {"error": {"code": 400, "message": "the request exceeds the available context size", "type": "exceed_context_size_error"}})
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        n = int(body.get("max_tokens") or 4)
+        try:
+            for i in range(n):
+                time.sleep(0.002)
+                self._event({"choices": [{"index": 0, "finish_reason": None, "delta": {"content": f" w{i}"},
+                                          "logprobs": {"content": [{"id": 100 + i, "token": f" w{i}", "logprob": -0.1}]}}]})
+            self._event({"choices": [{"index": 0, "finish_reason": "length", "delta": {}}],
+                         "timings": {"prompt_n": PROMPT_TOKENS, "prompt_ms": 1.0, "predicted_n": n, "predicted_ms": 2.0 * n}})
+            self._event({"choices": [], "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": n}})
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client cut the stream (a cancelled request)
+        self.close_connection = True
+
+    def _event(self, chunk: dict[str, Any]) -> None:
+        self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self.wfile.flush()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args, _ = parser.parse_known_args()
+    if os.environ.get("FAKE_LLAMA_ARGS"):
+        with open(os.environ["FAKE_LLAMA_ARGS"], "w") as f:
+            json.dump(sys.argv[1:], f)
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    server.daemon_threads = True
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
