@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_SPEC ?= torch==2.13.0
 OUT ?= fractal-out
 
-.PHONY: setup setup-vllm demo test clean
+.PHONY: setup setup-vllm setup-llama-native demo test clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,6 +28,12 @@ setup: $(STAMP)
 # and transformers, so it cannot share $(VENV). About 90 s from nothing with uv (scripts/setup-vllm.sh).
 setup-vllm:
 	bash scripts/setup-vllm.sh
+
+# Optional: llama.cpp's llama-server built for this CPU (AVX-512 where it has it; the xllamacpp wheel
+# is built for AVX2), for the llama_cpp runtime's `runtime_path: native`. About 5 minutes on 2 cores
+# (scripts/build-llama-server.sh; needs cmake and a C++ compiler).
+setup-llama-native: setup
+	bash scripts/build-llama-server.sh
 
 demo: setup
 	$(VENV)/bin/fractal-opt run recipes/quickstart.yaml --out $(OUT) --force
