@@ -1,5 +1,7 @@
 """Which ggml weight type does this llama.cpp build run fastest? The embedded GGUF (Q4_1) against its
-copies re-quantized by the quantize pass's gguf backend (Q4_0, Q8_0), driven by hand through xllamacpp.
+copies re-quantized by the quantize pass's gguf backend (Q4_0, Q8_0, or widened to BF16 / F16), driven by hand
+through xllamacpp in this process, or through a llama-server child process (``--transports native``: the
+build ``make setup-llama-native`` makes for this CPU).
 
 Two measurements per file, each after one untimed warm-up pass, with one llama.cpp server loaded at
 a time (two in one process throttle each other, docs/runtimes.md), flash attention on, no prompt
@@ -17,6 +19,7 @@ are printed with the load average at start and end.
 
     python benchmarks/gguf_types.py                 # 2 rounds: about 4 minutes on 2 CPU cores
     python benchmarks/gguf_types.py --rounds 3 --threads 2
+    python benchmarks/gguf_types.py --transports wheel,native --types q4_1,q8_0,q4_0,bf16   # the wheel against a native build
 """
 
 from __future__ import annotations
@@ -43,7 +46,17 @@ def suite_messages(name: str) -> list[list[dict[str, str]]]:
     return [r.as_messages() for r in Workload(suite=name).requests()]
 
 
-def server(path: Path, *, slots: int, threads: int) -> Any:
+def server(path: Path, *, slots: int, threads: int, transport: str = "wheel") -> Any:
+    """A llama.cpp server for ``path``: xllamacpp's in this process (``wheel``), or a llama-server
+    child process (``native``: the one ``make setup-llama-native`` built; or an executable's path),
+    through the runtime's own LlamaServerProcess, which takes the same request bodies."""
+    if transport != "wheel":
+        from fractal_opt.runtimes.llama_cpp.process import LlamaServerProcess, resolve_executable
+        from fractal_opt.runtimes.llama_cpp.settings import ServerSettings
+
+        settings = ServerSettings(model_path=str(path), threads=threads, slots=slots, kv_tokens=8192, unified=True, cache_type="f16",
+                                  flash_attention="on", executable=str(resolve_executable(transport)))
+        return LlamaServerProcess(settings)
     import xllamacpp as xlc
 
     p = xlc.CommonParams()
@@ -121,7 +134,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--types", default="q4_1,q4_0,q8_0", help="q4_1 (the embedded file) and gguf-backend types, comma-separated")
+    parser.add_argument("--types", default="q4_1,q4_0,q8_0", help="q4_1 (the embedded file) and gguf-backend types (q4_0, q8_0, bf16, f16), comma-separated")
+    parser.add_argument("--transports", default="wheel", help="wheel (xllamacpp in this process), native (the llama-server make setup-llama-native "
+                        "built, as a child process) or a llama-server path; comma-separated")
     args = parser.parse_args()
     from importlib.metadata import version
 
@@ -132,29 +147,30 @@ def main() -> int:
     source = resolve("smollm2-135m-instruct").path
     files = {t: source if t == "q4_1" else requantize(source, t, progress=lambda m: print(m, file=sys.stderr)) for t in args.types.split(",")}
     quickstart, chats = suite_messages("default")[:4], suite_messages("chat")
-    results: dict[str, list[dict[str, float]]] = {t: [] for t in files}
-    names = list(files)
+    names = [(transport, t) for transport in args.transports.split(",") for t in files]
+    results: dict[tuple[str, str], list[dict[str, float]]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            srv = server(files[name], slots=1, threads=args.threads)
+            transport, weights = name
+            srv = server(files[weights], slots=1, threads=args.threads, transport=transport)
             one_at_a_time(srv, quickstart[:1])  # warm-up
             single = one_at_a_time(srv, quickstart)
             del srv
             gc.collect()
-            srv = server(files[name], slots=8, threads=args.threads)
+            srv = server(files[weights], slots=8, threads=args.threads, transport=transport)
             under_load(srv, chats, clients=8, requests=8)  # warm-up
             single["load_tok_s"] = under_load(srv, chats, clients=8, requests=16)
             del srv
             gc.collect()
             results[name].append(single)
-            print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in single.items()), file=sys.stderr, flush=True)
+            print(f"round {r + 1} {transport} {weights}: " + ", ".join(f"{k} {v:.1f}" for k, v in single.items()), file=sys.stderr, flush=True)
     print(f"# xllamacpp {version('xllamacpp')}, {args.threads} threads, {args.rounds} rounds; load average at start {start[0]:.2f}, "
           f"at end {os.getloadavg()[0]:.2f}")
-    print("| weights | one at a time: prefill tok/s | decode tok/s | TTFT ms (median) | chatbot load, 8 clients: output tok/s |")
-    print("|---|---|---|---|---|")
-    for name, rows in results.items():
+    print("| build | weights | one at a time: prefill tok/s | decode tok/s | TTFT ms (median) | chatbot load, 8 clients: output tok/s |")
+    print("|---|---|---|---|---|---|")
+    for (transport, weights), rows in results.items():
         med = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
-        print(f"| {name.upper()}{' (embedded)' if name == 'q4_1' else ''} | {med['prefill_tok_s']:.0f} | {med['decode_tok_s']:.1f} | "
+        print(f"| {transport} | {weights.upper()}{' (embedded)' if weights == 'q4_1' else ''} | {med['prefill_tok_s']:.0f} | {med['decode_tok_s']:.1f} | "
               f"{med['ttft_ms']:.0f} | {med['load_tok_s']:.1f} |")
     return 0
 

@@ -18,7 +18,9 @@ Plans: (1) transformers baseline (the Plan defaults: fp32, sequential); (2) tran
 chatbot recipe's kept scheduling pass: continuous batching, max_concurrency 8); (3) llama_cpp
 tuned: continuous, max_concurrency 8, threads auto, the best by load throughput of a few llama.cpp
 settings (f16 KV; f16 KV + flash attention on; f16 KV on 1 thread; q8_0 KV (kv_backend native)
-+ flash attention on; the GGUF re-quantized to Q8_0 + flash attention on), all printed; (4) with ``--vllm``: vLLM fp32 on the CPU, continuous, max_concurrency 8, threads auto,
++ flash attention on; the GGUF re-quantized to Q8_0 + flash attention on; and, when ``make
+setup-llama-native`` has built llama-server for this CPU, that build as a child process on the
+embedded Q4_1, on Q8_0 and on BF16 weights), all printed; (4) with ``--vllm``: vLLM fp32 on the CPU, continuous, max_concurrency 8, threads auto,
 measured alone after the others are closed (its server process is the heavy one), with the
 transformers best plan measured again next to it so its ratio has a same-window reference.
 
@@ -89,6 +91,21 @@ def plans(*, concurrency: int) -> tuple[dict[str, Any], dict[str, Any]]:
         "llama_cpp Q8_0 weights, flash attn": llama.replace_section("hardware", flash_attention="on").replace_section(
             "model", weight_bits=8, quant_backend="gguf", quant_method="q8_0", quant_skip=("lm_head",)),
     }
+    from fractal_opt.runtimes.llama_cpp.process import NATIVE, executable_problem
+
+    if (problem := executable_problem(NATIVE)) is not None:
+        log(f"no native llama-server candidates: {problem}")
+        return tf, candidates
+    # llama-server built for this CPU (make setup-llama-native), as a child process. BF16 weights:
+    # the embedded Q4_1 blocks widened to bfloat16 (the dtype pass; within 2^-9 of the stored
+    # values), which AVX512_BF16 multiplies fast and the wheel's AVX2 build does not.
+    native = llama.replace_section("hardware", flash_attention="on", runtime_path=NATIVE)
+    candidates.update({
+        "llama_cpp native, flash attn": native,
+        "llama_cpp native, Q8_0 weights, flash attn": native.replace_section(
+            "model", weight_bits=8, quant_backend="gguf", quant_method="q8_0", quant_skip=("lm_head",)),
+        "llama_cpp native, BF16 weights, flash attn": native.replace_section("hardware", dtype="bfloat16"),
+    })
     return tf, candidates
 
 
@@ -145,7 +162,9 @@ def settings_of(engine: Any) -> str:
     sched = "sequential" if s.batching == "sequential" else f"{s.batching}, {s.max_concurrency} in flight"
     if p.hardware.runtime == "llama_cpp":
         st = engine.settings
-        return f"{sched}; {st.threads or engine.threads} threads, {st.slots} slot(s), KV {st.cache_type} x {st.kv_tokens} tokens, flash attn {st.flash_attention}"
+        where = "llama-server child process" if st.executable else "xllamacpp in process"
+        return (f"{sched}; {where}, {os.path.basename(st.model_path)}, {st.threads or engine.threads} threads, {st.slots} slot(s), "
+                f"KV {st.cache_type} x {st.kv_tokens} tokens, flash attn {st.flash_attention}")
     if p.hardware.runtime == "vllm":
         flags = " ".join(engine.args) or f"the server at {p.hardware.runtime_url}"
         return f"{sched}; {flags}; threads {p.hardware.threads}"

@@ -230,6 +230,12 @@ def _candidates(summary: dict[str, Any], roof: dict[str, Any], labels: dict[str,
                "bandwidth": f"decode is bandwidth-bound{used}: llama.cpp reads the GGUF file's 4-8-bit weights, not float32",
                "unknown": f"{unknown}: llama.cpp attacks both the per-token overhead and the bytes (the GGUF's own 4-8-bit weights)"}[decode]
         add("runtime", {"backend": "llama_cpp"}, why)
+        if not gpu and "avx512f" in machine.cpu_flags:
+            # The xllamacpp wheel's CPU kernels are AVX2 only (docs/runtimes.md, "A llama.cpp built for this CPU").
+            bf16 = " and AVX512_BF16 (then try dtype bfloat16 on it)" if machine.cpu_native_bf16 else ""
+            add("runtime", {"backend": "llama_cpp", "path": "native"},
+                f"this CPU has AVX-512{bf16}, which the xllamacpp wheel's kernels do not use: `make setup-llama-native` builds llama-server for it "
+                "(about 5 minutes), and this step is skipped with that command until it is built")
     if decode == "overhead":
         add("threads", {"count": "auto"}, "decode is overhead-bound: one thread per physical core avoids spin-waiting hyper-threads")
         if gpu:
