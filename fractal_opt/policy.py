@@ -16,7 +16,10 @@ Guards:
 - latency for scheduling passes: TTFT p90 at most 50% and inter-token latency p90 at most 150%
   worse than the previous plan's (:data:`LATENCY_GUARDS`), so a batching that buys throughput by
   making every user wait several times longer is not kept by default;
-- any metric by hand in the recipe: ``{min: x}``, ``{max: x}`` or ``{max_regression: r}``.
+- any metric by hand in the recipe: ``{min: x}``, ``{max: x}`` or ``{max_regression: r}``. An
+  absolute speed or memory limit that the previous plan already breaks trips only when the
+  candidate is further from it, so a step is not refused for an SLO that no plan so far meets
+  (e.g. TTFT p90 under load before batching); quality limits always trip.
 
 A number that is not finite (NaN, infinite) trips every guard that watches it, and an objective
 that is not finite is never kept: ``NaN > 0.05`` is False, so a plain comparison would let it pass.
@@ -219,10 +222,17 @@ class Policy:
                 continue
             if guard.metric.startswith("kl_") and str(after.get("kl_method", "full")).startswith("top-k"):
                 notes.append(f"guard {guard.metric} judged a lower bound ({after['kl_method']}): it can only be too lenient")
-            if guard.max is not None and value > guard.max:
-                trips.append(f"guard {guard.metric} max {guard.max:g} tripped: {_fmt(value)}")
-            if guard.min is not None and value < guard.min:
-                trips.append(f"guard {guard.metric} min {guard.min:g} tripped: {_fmt(value)}")
+            prev = before.get(guard.metric)
+            for bound, limit, broken in (("max", guard.max, lambda v, lim: v > lim), ("min", guard.min, lambda v, lim: v < lim)):
+                if limit is None or not broken(value, limit):
+                    continue
+                # A speed or memory limit (an SLO) the previous plan already breaks does not block a
+                # step that is no further from it: the step is judged on its objective, and a later
+                # step (batching, a concurrency limit) may still meet the SLO. Quality limits always trip.
+                if guard.metric in METRICS and prev is not None and _finite(prev) and broken(prev, limit) and not broken(value, prev):
+                    notes.append(f"guard {guard.metric} {bound} {limit:g} not met before or after ({_fmt(prev)} -> {_fmt(value)}): not a regression, not tripped")
+                    continue
+                trips.append(f"guard {guard.metric} {bound} {limit:g} tripped: {_fmt(value)}")
             base = (baseline or {}).get(guard.metric)
             if guard.max_drop is not None and base is not None:
                 if not _finite(base):

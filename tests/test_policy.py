@@ -325,3 +325,18 @@ def test_a_guard_limit_must_be_finite(limit):
     """``kl_mean: {max: .nan}`` would make the guard unable to trip: refused with the field named."""
     with pytest.raises(RecipeError, match=r"policy.guards.kl_mean.max: got (nan|inf), expected a finite number"):
         Policy(guards={"kl_mean": {"max": limit}})
+
+
+def test_an_slo_the_previous_plan_already_breaks_trips_only_when_the_step_is_further_from_it():
+    """TTFT p90 under load before batching: 11 s -> 5 s with max 4000 is not a reason to
+    refuse a faster runtime; 11 s -> 12 s is. A quality limit trips whatever the previous plan had."""
+    policy = Policy(guards={"ttft_ms_p90": {"max": 4000}, "kl_mean": {"max": 0.05}})
+    before = {**BEFORE, "ttft_ms_p90": 11000.0, "kl_mean": 0.2}
+    changes = {m: 0.0 for m in BANDS} | {"decode_tokens_per_s": 5.0}
+    closer = policy.judge(Layer.HARDWARE, before, {**before, "decode_tokens_per_s": 600.0, "ttft_ms_p90": 5000.0, "kl_mean": 0.0}, changes, BANDS)
+    assert closer.kept, closer.reason
+    assert "ttft_ms_p90 max 4000 not met before or after (11000.0 -> 5000.0)" in closer.reason
+    further = policy.judge(Layer.HARDWARE, before, {**before, "decode_tokens_per_s": 600.0, "ttft_ms_p90": 12000.0, "kl_mean": 0.0}, changes, BANDS)
+    assert not further.kept and "guard ttft_ms_p90 max 4000 tripped" in further.reason
+    worse_quality = policy.judge(Layer.HARDWARE, before, {**before, "decode_tokens_per_s": 600.0, "ttft_ms_p90": 3000.0, "kl_mean": 0.1}, changes, BANDS)
+    assert not worse_quality.kept and "guard kl_mean max 0.05 tripped" in worse_quality.reason
