@@ -183,7 +183,7 @@ class Engine(abc.ABC):
 
     def server_pids(self) -> list[int]:
         """Processes that serve this engine's requests besides this one (a child server): their
-        peak memory and CPU time count in the measurement. None by default (in-process runtimes)."""
+        peak memory and CPU time count in the measurement. Empty by default (in-process runtimes)."""
         return []
 
     def encode(self, text: str) -> list[int]:

@@ -133,8 +133,7 @@ class Runner:
         r = len(self.repeats)
         self.activate_s += self.engine.activate()  # before the clock: e.g. llama.cpp reloads its server if another plan's was resident
         self.engine.reset_response_cache()  # every round starts cold: hits come from repeats within the round
-        # A child server's memory and CPU time are the engine's too (getattr: duck-typed engines, e.g. test fakes).
-        pids = getattr(self.engine, "server_pids", list)()
+        pids = self.engine.server_pids()  # a child server's memory and CPU time are the engine's too
         cpu0, child0 = os.times(), _cpu_s(pids)
         with MemoryWindow(self.device, pids=pids) as mem, GpuMonitor(self.device) as gpu:
             served = in_own_thread(self.source.serve, r)

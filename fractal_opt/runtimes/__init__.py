@@ -2,7 +2,8 @@
 inference engine, and :func:`build` picks the one a plan names (``plan.hardware.runtime``).
 
 - ``transformers``: Hugging Face transformers in this process (the baseline).
-- ``llama_cpp``: llama.cpp's server in this process through the ``xllamacpp`` wheel (GGUF models, CPU).
+- ``llama_cpp``: llama.cpp's server in this process through the ``xllamacpp`` wheel (GGUF models, CPU),
+  or a ``llama-server`` child process (``hardware.runtime_path``; ``native``: built for this CPU).
 - ``vllm``: vLLM's OpenAI-compatible server as a child process in its own environment (or a running one).
 
 Example:

@@ -11,9 +11,9 @@ Why a second transport: the xllamacpp wheel is built for any x86-64 CPU (its CPU
 AVX2 and no AVX-512), and no wheel on the registry ships a ``llama-server`` built for this CPU.
 ``scripts/build-llama-server.sh`` (``make setup-llama-native``) compiles one from the llama.cpp
 sources inside xllamacpp's own sdist (the same llama.cpp version), with ``GGML_NATIVE=ON``; the
-path value ``native`` names that build. Measured in session 7 on the project's 2-core AMD EPYC
-(AVX-512, AVX512_BF16), chat load with 8 clients: BF16 weights 61.6 output tokens/s in process
-through the wheel and 139-153 from the native build; Q4_0 102 and 134 (docs/runtimes.md).
+path value ``native`` names that build. Measured in session 7 on a 2-core AMD EPYC (AVX-512,
+AVX512_BF16), 8 chat clients: the native build on BF16 weights gave 125.4 output tokens/s, the
+wheel's best 85.4 (benchmarks/runtimes.py, 5 rounds; docs/runtimes.md).
 A child process also has its own OpenMP runtime, so it never shares spin-waiting threads with
 torch or with another server in this process (docs/runtimes.md, "one server at a time").
 
