@@ -9,7 +9,9 @@ llama-server's API the runtime uses, in llama-server's own shapes:
   ``" w{i}"`` with id ``100 + i``, its id in ``logprobs.content``), a chunk with ``finish_reason``
   ``"length"`` and llama.cpp's ``timings``, a usage chunk, ``[DONE]``. A message containing
   ``TOO LONG`` is refused with HTTP 400 and an ``exceed_context_size_error``, as llama-server
-  refuses a prompt over the slot's context.
+  refuses a prompt over the slot's context. A message containing ``DIE MIDWAY`` (or ``TORN CHUNK``)
+  gets two tokens (then half a chunk), then the process writes a fatal line to stderr and exits
+  with status 7, as a crashing llama-server cuts its streams.
 - ``POST /v1/completions``: one token with ``n_probs`` top log-probabilities.
 """
 
@@ -65,8 +67,16 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         n = int(body.get("max_tokens") or 4)
+        text = " ".join(str(m.get("content")) for m in body.get("messages") or ())
         try:
             for i in range(n):
+                if i == 2 and ("DIE MIDWAY" in text or "TORN CHUNK" in text):
+                    if "TORN CHUNK" in text:
+                        self.wfile.write(b'data: {"choices": [{"ind')
+                        self.wfile.flush()
+                    sys.stderr.write("fatal: simulated crash while decoding\n")
+                    sys.stderr.flush()
+                    os._exit(7)
                 time.sleep(0.002)
                 self._event({"choices": [{"index": 0, "finish_reason": None, "delta": {"content": f" w{i}"},
                                           "logprobs": {"content": [{"id": 100 + i, "token": f" w{i}", "logprob": -0.1}]}}]})

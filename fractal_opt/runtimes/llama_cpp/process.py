@@ -11,9 +11,10 @@ Why a second transport: the xllamacpp wheel is built for any x86-64 CPU (its CPU
 AVX2 and no AVX-512), and no wheel on the registry ships a ``llama-server`` built for this CPU.
 ``scripts/build-llama-server.sh`` (``make setup-llama-native``) compiles one from the llama.cpp
 sources inside xllamacpp's own sdist (the same llama.cpp version), with ``GGML_NATIVE=ON``; the
-path value ``native`` names that build. Measured in session 7 on a 2-core AMD EPYC (AVX-512,
-AVX512_BF16), 8 chat clients: the native build on BF16 weights gave 125.4 output tokens/s, the
-wheel's best 85.4 (benchmarks/runtimes.py, 5 rounds; docs/runtimes.md).
+path value ``native`` names that build (one per CPU instruction set: :func:`cpu_tag`). Measured
+in session 7 on a 2-core AMD EPYC (AVX-512, AVX512_BF16), 8 chat clients: the native build on
+BF16 weights gave 125.4 output tokens/s, the wheel's best 85.4 (benchmarks/runtimes.py, 5 rounds;
+docs/runtimes.md).
 A child process also has its own OpenMP runtime, so it never shares spin-waiting threads with
 torch or with another server in this process (docs/runtimes.md, "one server at a time").
 
@@ -23,9 +24,13 @@ A :class:`LlamaServerProcess` stops when the last reference to it goes (as an
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
+import platform
+import re
+import subprocess
 import time
 import weakref
 from collections.abc import Callable
@@ -35,17 +40,20 @@ from typing import Any
 from ...errors import EngineError
 from ..child_process import ServerProcess, free_port
 
-__all__ = ["NATIVE", "LlamaServerProcess", "command", "executable_problem", "native_executable", "resolve_executable"]
+__all__ = ["NATIVE", "LlamaServerProcess", "command", "cpu_tag", "executable_problem", "native_executable", "resolve_executable"]
 
 NATIVE = "native"  # hardware.runtime_path value: the llama-server that scripts/build-llama-server.sh built
 _START_TIMEOUT_S = 120.0  # loading the embedded model takes ~1 s; a large GGUF from a cold disk takes longer
 _READ_TIMEOUT_S = 600.0  # per socket read: a hung server surfaces as an error
+_EXIT_WAIT_S = 2.0  # after a broken connection: how long to wait for a dying child's exit status
 _BUILD_HINT = "make setup-llama-native (scripts/build-llama-server.sh) builds llama.cpp's llama-server for this CPU in about 5 minutes"
 
 
 def native_executable() -> Path:
     """Where ``scripts/build-llama-server.sh`` puts the llama-server it builds for this CPU:
-    ``cache_dir()/llama-native/<xllamacpp version>/llama-server`` (the sources are that version's)."""
+    ``cache_dir()/llama-native/<xllamacpp version>/<cpu_tag()>/llama-server`` (the sources are that
+    version's; the build uses this CPU's instructions, so another CPU gets a build of its own
+    rather than one that dies of an illegal instruction when a cache directory is shared)."""
     from importlib.metadata import PackageNotFoundError, version
 
     from ...models import cache_dir
@@ -54,7 +62,32 @@ def native_executable() -> Path:
         tag = version("xllamacpp")
     except PackageNotFoundError:
         tag = "unknown"
-    return cache_dir() / "llama-native" / tag / "llama-server"
+    return cache_dir() / "llama-native" / tag / cpu_tag() / "llama-server"
+
+
+# The CPU flags (Linux /proc/cpuinfo names) that decide what GGML_NATIVE=ON (-march=native) may
+# emit: vector and bit-manipulation extensions. Others (vulnerabilities, "hypervisor", power
+# management) differ between hosts of one CPU model and do not change the code.
+_ISA_FLAG = re.compile(r"^(sse\w*|ssse3|pni|avx\w*|fma\w*|f16c|bmi\d|amx\w*|\w*vnni\w*|popcnt|movbe|abm|adx|aes|vaes|pclmulqdq|vpclmulqdq|gfni|sha_ni|xsave\w*)$")
+
+
+def cpu_tag(cpuinfo: str | None = None) -> str:
+    """A short name for this CPU's instruction set: the machine type and a hash of its ISA flags
+    (e.g. ``x86_64-3f9c1a2b``). ``cpuinfo``: the text of /proc/cpuinfo (read when None); without
+    one (not Linux) the tag is the machine type and processor name."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86 / ARM spelling
+            flags.update(f for f in value.split() if _ISA_FLAG.match(f) or key.strip() == "Features")
+            break
+    basis = " ".join(sorted(flags)) if flags else platform.processor()
+    return f"{platform.machine() or 'cpu'}-{hashlib.sha1(basis.encode()).hexdigest()[:8]}"
 
 
 def resolve_executable(path: str) -> Path:
@@ -144,14 +177,23 @@ class LlamaServerProcess:
             return conn, conn.getresponse()
         except (OSError, http.client.HTTPException) as e:
             conn.close()
-            alive = "" if self.process.alive() else f" (llama-server exited with status {self.process.proc.returncode}; its log ends:\n{self.process.log_tail()})"
-            raise EngineError(f"POST {path} to llama-server failed: {e}{alive}") from e
+            raise self._failure(f"POST {path} to llama-server failed: {e}") from e
+
+    def _failure(self, what: str) -> EngineError:
+        """An EngineError for ``what``, with the child's exit status and last log lines when it has
+        ended (a dying server closes its sockets a moment before it exits: wait briefly for that)."""
+        try:
+            self.process.proc.wait(timeout=_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return EngineError(f"{what} (llama-server {self.pid} still runs; its log: {self.process.log_path})")
+        return EngineError(f"{what} (llama-server exited with status {self.process.proc.returncode}; its log ends:\n{self.process.log_tail()})")
 
     def handle_chat_completions(self, body: dict[str, Any], callback: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
         """Stream one chat completion, calling ``callback`` with every chunk (as xllamacpp does);
         ``callback`` returning True ends the request: closing the connection makes llama-server
         cancel it and free its slot. Returns ``{"error": ...}`` when llama-server refused it."""
         conn, response = self._post("/v1/chat/completions", body)
+        ended = False  # [DONE], an error event, or the caller's cancel: the stream ended as llama-server meant
         try:
             if response.status != 200:
                 return _error(response)
@@ -161,15 +203,19 @@ class LlamaServerProcess:
                 # failed after the stream began, blank separators.
                 if line.startswith(b"data:"):
                     data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    if callback(json.loads(data)):
+                    if data == b"[DONE]" or callback(json.loads(data)):
+                        ended = True
                         break
                 elif line.startswith(b"error:"):
                     callback({"error": _error_body(json.loads(line[6:].strip()))})
+                    ended = True
                     break
+        except (OSError, http.client.HTTPException, ValueError) as e:  # a cut connection, a torn chunk
+            raise self._failure(f"the stream from llama-server broke: {type(e).__name__}: {e}") from e
         finally:
             conn.close()
+        if not ended:  # the connection closed cleanly but early: the server went away mid-answer
+            raise self._failure("llama-server closed the stream before its end ([DONE])")
         return None
 
     def handle_completions(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -177,6 +223,8 @@ class LlamaServerProcess:
         conn, response = self._post("/v1/completions", body)
         try:
             return _error(response) if response.status != 200 else json.loads(response.read())
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise self._failure(f"the answer from llama-server broke: {type(e).__name__}: {e}") from e
         finally:
             conn.close()
 
