@@ -47,20 +47,27 @@ __all__ = ["Runner", "in_own_thread", "measure", "measure_pair", "paired_changes
 
 
 def _cpu_s(pids: Sequence[int]) -> float:
-    """User + system CPU seconds the processes ``pids`` (and their children) used so far."""
+    """User + system CPU seconds the processes ``pids`` and their children used so far, each
+    process counted once (an engine may list a server and its children both)."""
     if not pids:
         return 0.0
     import psutil
 
-    total = 0.0
+    seen: dict[int, psutil.Process] = {}
     for pid in pids:
         try:
             proc = psutil.Process(pid)
             for p in (proc, *proc.children(recursive=True)):
-                t = p.cpu_times()
-                total += t.user + t.system
+                seen.setdefault(p.pid, p)
         except psutil.Error:  # ended between the readings: its time is lost, the rest counts
             continue
+    total = 0.0
+    for p in seen.values():
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
     return total
 
 

@@ -69,6 +69,17 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def pids(self) -> list[int]:
+        """The child and every live process it spawned (vLLM's engine core and workers serve in
+        grandchildren); empty once it has ended."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root.pid, *(p.pid for p in root.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE)]
+        except psutil.Error:
+            return []
+
     def log_tail(self, lines: int = 30) -> str:
         """The last lines the server printed (its errors explain a failed start)."""
         try:

@@ -19,7 +19,7 @@ import pytest
 from fractal_opt.errors import ModelSourceError, RecipeError, RequestRejected
 from fractal_opt.plan import HardwarePlan, ModelPlan, Plan, SchedulingPlan
 from fractal_opt.runtimes.llama_cpp import engine as llama_engine
-from fractal_opt.runtimes.llama_cpp.process import NATIVE, command, executable_problem, native_executable
+from fractal_opt.runtimes.llama_cpp.process import NATIVE, command, cpu_tag, executable_problem, native_executable
 from fractal_opt.runtimes.llama_cpp.settings import refusals, server_settings
 from fractal_opt.workload import Workload
 
@@ -94,6 +94,17 @@ def test_a_missing_executable_is_refused_with_the_build_command(tmp_path: Path) 
     assert any(r.startswith("hardware.runtime_url=") for r in refusals(url))
 
 
+def test_the_native_build_is_kept_per_cpu_instruction_set() -> None:
+    """Two CPUs that differ in an instruction-set flag get different build paths; flags that do not
+    change the code (vulnerabilities, hypervisor) and their order do not."""
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma hypervisor\nbugs\t\t: spectre_v1\n"
+    avx512 = avx2.replace("avx2 fma", "avx2 fma avx512f avx512_bf16")
+    same = "processor\t: 0\nflags\t\t: hypervisor fma avx2 avx sse2 sse fpu rdtscp\n"
+    assert cpu_tag(avx2) != cpu_tag(avx512)
+    assert cpu_tag(avx2) == cpu_tag(same)
+    assert native_executable().parent.name == cpu_tag()
+
+
 def test_the_runtime_pass_takes_a_path_for_llama_cpp_and_not_for_transformers() -> None:
     from fractal_opt.layers.hardware import Runtime
 
@@ -151,6 +162,21 @@ def test_a_child_that_exits_at_start_raises_with_its_log(tmp_path: Path) -> None
     plan = Plan(source=MODEL, hardware=HardwarePlan(runtime="llama_cpp", threads=1, runtime_path=str(exe)))
     with pytest.raises(EngineError, match="(?s)status 3.*unknown argument"):
         llama_engine.LlamaCppEngine.build(plan, progress=lambda _: None)
+
+
+@pytest.mark.parametrize("marker", ["DIE MIDWAY", "TORN CHUNK"])
+def test_a_child_that_dies_mid_stream_raises_with_its_log(fake_exe: Path, marker: str) -> None:
+    """A llama-server that crashes while streaming (the connection closed early, or cut inside a
+    chunk) gives an EngineError with its exit status and last log lines, not a socket error or a
+    silently short answer."""
+    from fractal_opt.errors import EngineError
+    from fractal_opt.workload import Request
+
+    _model_path()
+    plan = Plan(source=MODEL, hardware=HardwarePlan(runtime="llama_cpp", threads=1, runtime_path=str(fake_exe)))
+    engine = llama_engine.LlamaCppEngine.build(plan, progress=lambda _: None, max_new_tokens=5)
+    with pytest.raises(EngineError, match="(?s)status 7.*simulated crash"):
+        engine.serve([Request(id="crash", messages=(("user", marker),))], max_new_tokens=5)
 
 
 def test_the_native_build_serves_the_embedded_model_and_is_measured_with_its_memory() -> None:

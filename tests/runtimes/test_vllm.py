@@ -256,6 +256,14 @@ def _child_pid(engine: VllmEngine) -> int:
     return int(next(line for line in engine.process.log_path.read_text().splitlines() if line.startswith("child pid")).split()[-1])
 
 
+def test_server_pids_are_the_server_and_its_children(launch) -> None:
+    """A measurement counts the memory and CPU time of vllm serve and of what it spawned (the engine
+    core holds the weights): server_pids lists them."""
+    engine = launch()
+    assert engine.generate("hi", max_new_tokens=1) == " w0"
+    assert engine.server_pids() == [engine.process.pid, _child_pid(engine)]
+
+
 def test_eviction_leaves_no_process(launch) -> None:
     """build starts the executable on loopback and serves through it; close leaves the server to
     the cache, and evicting it ends the server and its children."""

@@ -164,6 +164,12 @@ class VllmEngine(Engine):
         return VllmServer(self, seed=seed, ignore_eos=ignore_eos)
 
     # ------------------------------------------------------------------ inspection
+    def server_pids(self) -> list[int]:
+        """``vllm serve`` and the processes it spawned (the engine core holds the weights and the KV
+        cache), when this engine started it: their peak memory and CPU time count in a
+        measurement. None for a server given by URL (runtime_url): it is not visible from here."""
+        return self.process.pids() if self.process is not None else []
+
     def census(self) -> dict[str, Any]:
         """Weights as served (parameter count x the served dtype, from the safetensors headers),
         the flags vLLM was started with, and what the server reports (``max_model_len``)."""
