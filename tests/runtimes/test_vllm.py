@@ -21,7 +21,7 @@ from fractal_opt.plan import Plan
 from fractal_opt.runtimes.vllm import VllmEngine, clear_cache, evict_except
 from fractal_opt.runtimes.vllm.logprobs import coarse_kl_lower_bound, top_flip
 from fractal_opt.runtimes.vllm.process import ENV_PATH, ENV_URL, default_executable
-from fractal_opt.workload import Request
+from fractal_opt.workload import Request, Workload
 
 _spec = importlib.util.spec_from_file_location("fake_openai_server", Path(__file__).with_name("fake_openai_server.py"))
 fake_openai_server = importlib.util.module_from_spec(_spec)
@@ -413,6 +413,17 @@ def test_vllm_serves_the_embedded_model_end_to_end(monkeypatch) -> None:
         assert len(tops) == len(prompt) and all(len(t) >= 5 and all(isinstance(i, int) for i in t) for t in tops)
         assert prompt[2] in tops[1]  # position j's entry includes the actual next token
         pid = engine.process.pid
+        # A measured round counts vllm serve and its engine core (which holds the 0.54 GB of
+        # float32 weights), beyond what this process holds.
+        import psutil
+
+        from fractal_opt.measure.runner import measure
+
+        assert len(engine.server_pids()) >= 2 and engine.server_pids()[0] == pid
+        own_mb = psutil.Process().memory_info().rss / 2**20
+        m = measure(engine, Workload(suite="default", limit=1, max_new_tokens=4, repeats=1, warmup=0))
+        assert m.repeats[0]["peak_memory_mb"] > own_mb + 500, (m.repeats[0]["peak_memory_mb"], own_mb)
+        assert m.repeats[0]["cpu_utilization"] > 0.2  # the engine core's CPU time counts
         # A plan that changes only decoding and the budget reuses the running server: no restart.
         sampled = VllmEngine.build(plan.replace_section("application", do_sample=True, temperature=0.7, max_new_tokens=8), progress=quiet)
         assert sampled.process is engine.process and sampled.load_s == 0.0
