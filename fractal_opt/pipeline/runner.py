@@ -11,8 +11,6 @@ The runner knows no particular pass or runtime. It asks a pass through its proto
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import textwrap
 import time
 import traceback
@@ -23,7 +21,7 @@ from typing import Any
 
 from .. import runtimes
 from ..engine.protocol import Engine
-from ..errors import EngineError, ModelSourceError, RecipeError, ResumeError, RunFailed
+from ..errors import EngineError, ModelSourceError, RecipeError, RunFailed
 from ..machine import Machine, resolve_device
 from ..measure.machine_limits import MachineLimits, probe_limits
 from ..measure.metrics import Measurement
@@ -37,9 +35,9 @@ from ..workload import Request
 from . import confirm
 from .deadline import StepTimeout, WorkerAbandoned, abandoned, checkpoint, run_with_deadline
 from .gate import PassSteps, skip_reason
-from .journal import JOURNAL, Journal, fingerprint, measurement_from_dict, measurement_to_dict
-from .outputs import OUTPUTS, check_writable, write_outputs
+from .outputs import write_outputs
 from .progress import Progress
+from .resume import MEASURER_STATE, Resumable
 from .step_measurement import Comparison, StepMeasurer, read_shape
 from .targets import note_targets, stop_reason
 from .trace import Step, Trace
@@ -69,7 +67,7 @@ class Result:
         return f"Result(\n  plan: {plan}\n  trace: {trace}{where}\n)"
 
 
-class Pipeline:
+class Pipeline(Resumable):
     """Run a recipe: measure the baseline, then try each pass in tower order.
 
     Args:
@@ -347,142 +345,6 @@ class Pipeline:
             self._weight_mb = step.metrics["weight_mb"]
         return verdict.outcome
 
-    # ------------------------------------------------------------------ journal and resume
-    def _check_out(self) -> None:
-        """Refuse an output folder before anything loads: a file, a folder that cannot be written,
-        or one holding another run (unless resuming it or forced)."""
-        assert self.out_dir is not None
-        if self.resume and self.force:
-            raise RecipeError("resume and force exclude each other: --resume continues the run in the folder, --force starts a new one over it.")
-        check_writable(self.out_dir)
-        held = [name for name in (JOURNAL, *OUTPUTS) if (self.out_dir / name).exists()]
-        if not held or self.force:
-            return
-        if not self.resume:
-            raise ResumeError(f"--out {str(self.out_dir)!r} holds another run ({', '.join(held)}): use --resume to continue it, or --force to "
-                              "replace it (in Python: resume=True / force=True), or give another --out. Nothing was changed.")
-        if JOURNAL not in held:
-            raise ResumeError(f"cannot resume {str(self.out_dir)!r}: it holds {', '.join(held)} but no {JOURNAL} (a run written before "
-                              "journals, or by hand): use --force to replace it, or give another --out. Nothing was changed.")
-
-    def _open_journal(self, machine: Machine) -> None:
-        """Start the journal, or (resuming) read it back after checking its fingerprint, then mark
-        the run in progress: from here trace.json says ``finished: false``, before any model loads."""
-        self._journal, self._journaled_baseline, self._replay = None, None, {}
-        if self.out_dir is None:
-            return
-        journal = Journal(self.out_dir)
-        fp = fingerprint(self.recipe, machine)
-        if self.resume and journal.exists():
-            records = journal.resume(fp)  # ResumeError when the inputs changed: nothing written yet
-            self._journaled_baseline = next((r for r in records if r.get("kind") == "baseline"), None)
-            if self._journaled_baseline is not None:
-                self._replay = {r["position"]: r for r in records if r.get("kind") == "step"}
-                done = f"{len(self._replay)} finished step{'' if len(self._replay) == 1 else 's'}"
-                self.progress(f"resuming {self.out_dir}: the baseline and {done} come from {JOURNAL}")
-            else:
-                self.progress(f"resuming {self.out_dir}: no step had finished there; starting from the baseline")
-        else:
-            if self.resume:
-                self.progress(f"nothing to resume in {self.out_dir}: starting a new run there")
-            journal.start(fp)
-        self._journal = journal
-        self._save()
-
-    def _journal_baseline(self) -> None:
-        """Append the measured baseline, with what a resumed run needs to go on without measuring it."""
-        if self._journal is None:
-            return
-        assert self._trace.baseline is not None and self._reference is not None
-        self._journal.append({"kind": "baseline", "step": self._trace.baseline.to_dict(), "calibration": self._trace.calibration,
-                              "limits": self._trace.machine.get("limits"), "reference_outputs": self._reference.outputs,
-                              "state": self._state_record()})
-
-    def _restore_baseline(self, machine: Machine) -> bool:
-        """Resuming: the baseline as the journal holds it (False when there is none to restore).
-        The reference logits are not journaled; they are scored again when a step first needs them."""
-        record = self._journaled_baseline
-        if record is None:
-            return False
-        trace = self._trace
-        trace.baseline = Step.from_dict(record["step"])
-        trace.baseline.timings["from_journal"] = True  # type: ignore[assignment]
-        trace.calibration = record["calibration"]
-        if record.get("limits"):
-            trace.machine["limits"] = record["limits"]
-            self._limits = MachineLimits(**record["limits"])
-        else:
-            self._limits = self.limits
-        self._steps = self._new_measurer(machine, self._limits)
-        self._reference, self._reference_outputs = None, record["reference_outputs"]
-        self._restore_state(record["state"])
-        self.progress("baseline: from the journal (measured by the earlier run)")
-        return True
-
-    def _rescore_reference(self, machine: Machine) -> None:
-        """Resuming: score the reference text again on the baseline plan, as the baseline did (the
-        same model and machine, which the fingerprint vouches for), with the baseline's outputs
-        from the journal. No-op when the reference is there already."""
-        if self._reference is not None or self._reference_outputs is None:
-            return
-        assert self._steps is not None
-        base = self.recipe.base_plan()
-        self.progress("resuming: scoring the reference text on the baseline plan again (quality probes compare with it)")
-        engine, _ = self._build(base, machine)
-        reference = build_reference(engine, {}, self.recipe.quality)
-        reference.outputs = self._reference_outputs
-        self._reference = reference
-        if base == self._plan and self._steps.previous is None:
-            self._steps.previous = engine  # the kept plan is still the baseline: its engine is the previous one
-        else:
-            engine.close()
-            runtimes.evict_except({self._plan.weights_key()})
-
-    def _from_journal(self, step: Step, label: str) -> str | None:
-        """Resuming: fill ``step`` from its journal record and restore the state after it; returns
-        the record's outcome, or None when the journal holds no more steps (this one runs)."""
-        position = len(self._trace.steps) + 1
-        record = self._replay.get(position)
-        if record is None:
-            self._replay.clear()  # from here every step is measured in this run
-            return None
-        if (record["step"]["pass"], record["step"]["params"]) != (step.pass_name, json.loads(json.dumps(step.params, default=str))):
-            raise ResumeError(f"cannot resume {str(self.out_dir)!r}: step {position} in its {JOURNAL} is {record['step']['pass']} "
-                              f"{record['step']['params']}, but this run's step {position} is {step.pass_name} {step.params} (the passes' "
-                              "schedule changed). Use --force to start a new run there.")
-        restored = Step.from_dict(record["step"])
-        for f in dataclasses.fields(Step):
-            setattr(step, f.name, getattr(restored, f.name))
-        step.timings["from_journal"] = True  # type: ignore[assignment]
-        step.reason += " (from the journal: measured by the earlier run)"
-        self._restore_state(record["state"])
-        self.progress(f"{label}: {step.status.replace('_', ' ')} (from the journal)")
-        return str(record.get("outcome", ""))
-
-    def _journal_step(self, step: Step) -> None:
-        """Append the step just recorded (a step restored from the journal is there already)."""
-        position, outcome, self._outcome = len(self._trace.steps), self._outcome, ""
-        if self._replay.pop(position, None) is not None or self._journal is None:
-            return
-        self._journal.append({"kind": "step", "position": position, "outcome": outcome, "step": step.to_dict(), "state": self._state_record()})
-
-    def _state_record(self) -> dict[str, Any]:
-        """What the runner goes on from after a step: the kept plan, its latest measurement
-        (every sample, so a resumed comparison is exact), its quality and weights, the measurer's memory."""
-        assert self._current is not None
-        measurer = {name: getattr(self._steps, name, None) for name in _MEASURER_STATE}
-        return {"plan": self._plan.to_dict(), "current": measurement_to_dict(self._current), "quality": self._current_quality,
-                "weight_mb": self._weight_mb, "measurer": measurer}
-
-    def _restore_state(self, state: dict[str, Any]) -> None:
-        self._plan = Plan.from_dict(state["plan"])
-        self._current = measurement_from_dict(state["current"])
-        self._current_quality = dict(state["quality"])
-        self._weight_mb = state["weight_mb"]
-        for name, value in (state.get("measurer") or {}).items():
-            if name in _MEASURER_STATE:
-                setattr(self._steps, name, value)
-
     # ------------------------------------------------------------------ failures
     def _fail(self, step: Step, label: str, e: BaseException) -> None:
         """Record ``e`` as the step's failure: which stage, what was raised, the last frames."""
@@ -520,7 +382,7 @@ class Pipeline:
         steps = StepMeasurer(machine=machine, workload=recipe.workload, requests=self._requests, min_effect=recipe.policy.min_effect,
                              limits=limits, progress=self._say, build=self.build, wait_quiet_s=self.wait_quiet, reprobe=self.limits is None,
                              note=say.done if isinstance(say, Progress) else say)  # note: a line that stays on a terminal
-        for name in _MEASURER_STATE if like is not None else ():
+        for name in MEASURER_STATE if like is not None else ():
             setattr(steps, name, getattr(like, name, None))
         return steps
 
@@ -642,7 +504,6 @@ def _metrics(m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:
 
 
 # What a StepMeasurer learns during a run that a resumed run must have too (journaled with each step).
-_MEASURER_STATE = ("calibration", "prompt_tokens", "previous_solo_peak_mb")
 
 
 def _gate_stage(e: BaseException, p: Pass) -> str:
