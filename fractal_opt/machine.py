@@ -15,7 +15,7 @@ import platform
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["OPTIONAL_PACKAGES", "Machine", "resolve_device"]
+__all__ = ["OPTIONAL_PACKAGES", "Machine", "cpu_flags", "resolve_device"]
 
 # Packages whose presence decides whether a pass can run (kernels, quantization backends).
 OPTIONAL_PACKAGES = ("torch", "transformers", "accelerate", "bitsandbytes", "torchao", "optimum-quanto", "hqq", "flash-attn", "nvidia-ml-py", "xllamacpp", "gguf")
@@ -91,7 +91,7 @@ class Machine:
             logical_cores=os.cpu_count() or 1,
             physical_cores=psutil.cpu_count(logical=False) or os.cpu_count() or 1,
             memory_bytes=int(psutil.virtual_memory().total),
-            cpu_flags=_cpu_flags(),
+            cpu_flags=cpu_flags(),
             cuda_devices=tuple(cuda_names),
             cuda_memory_bytes=tuple(cuda_mem),
             cuda_bf16=cuda_bf16,
@@ -133,5 +133,6 @@ def _cpu_name() -> str:
     return _cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux lists them in /proc/cpuinfo (empty elsewhere)."""
     return frozenset(_cpuinfo_field("flags").split())

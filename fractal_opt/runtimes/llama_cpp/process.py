@@ -33,7 +33,7 @@ import re
 import subprocess
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -71,22 +71,14 @@ def native_executable() -> Path:
 _ISA_FLAG = re.compile(r"^(sse\w*|ssse3|pni|avx\w*|fma\w*|f16c|bmi\d|amx\w*|\w*vnni\w*|popcnt|movbe|abm|adx|aes|vaes|pclmulqdq|vpclmulqdq|gfni|sha_ni|xsave\w*)$")
 
 
-def cpu_tag(cpuinfo: str | None = None) -> str:
+def cpu_tag(flags: Iterable[str] | None = None) -> str:
     """A short name for this CPU's instruction set: the machine type and a hash of its ISA flags
-    (e.g. ``x86_64-3f9c1a2b``). ``cpuinfo``: the text of /proc/cpuinfo (read when None); without
-    one (not Linux) the tag is the machine type and processor name."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):  # x86 / ARM spelling
-            flags.update(f for f in value.split() if _ISA_FLAG.match(f) or key.strip() == "Features")
-            break
-    basis = " ".join(sorted(flags)) if flags else platform.processor()
+    (e.g. ``x86_64-3f9c1a2b``). ``flags``: the CPU's feature flags (:func:`fractal_opt.machine.cpu_flags`
+    when None); without any (not Linux) the hash is of the processor's name."""
+    from ...machine import cpu_flags
+
+    isa = sorted(f for f in (cpu_flags() if flags is None else flags) if _ISA_FLAG.match(f))
+    basis = " ".join(isa) if isa else platform.processor()
     return f"{platform.machine() or 'cpu'}-{hashlib.sha1(basis.encode()).hexdigest()[:8]}"
 
 

@@ -167,7 +167,7 @@ class VllmEngine(Engine):
     def server_pids(self) -> list[int]:
         """``vllm serve`` and the processes it spawned (the engine core holds the weights and the KV
         cache), when this engine started it: their peak memory and CPU time count in a
-        measurement. None for a server given by URL (runtime_url): it is not visible from here."""
+        measurement. Empty for a server given by URL (runtime_url): it is not visible from here."""
         return self.process.pids() if self.process is not None else []
 
     def census(self) -> dict[str, Any]:
