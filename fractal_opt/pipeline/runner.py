@@ -503,9 +503,6 @@ def _metrics(m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# What a StepMeasurer learns during a run that a resumed run must have too (journaled with each step).
-
-
 def _gate_stage(e: BaseException, p: Pass) -> str:
     """Which of the pass's methods raised inside the gate (:func:`.gate.skip_reason` calls
     ``unavailable``, ``check`` and ``apply``, the last to see whether the pass changes anything)."""
