@@ -1,0 +1,129 @@
+"""Where a model's config comes from: a dict, a config.json, a model folder, a GGUF header or the hub.
+
+:func:`load_config` answers ``(label, config dict)`` for every source the budget calculator and
+the pre-flight accept, without loading weights: a GGUF file (the embedded model included) gives
+its metadata as a transformers-style config, a hub id its cached or fetched ``config.json``.
+What cannot be read raises :class:`~fractal_opt.errors.ModelSourceError` naming the source and
+what was tried.
+
+Example:
+    >>> from fractal_opt.measure.config_source import load_config
+    >>> load_config({"model_type": "llama", "hidden_size": 64})
+    ('llama', {'model_type': 'llama', 'hidden_size': 64})
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelSourceError
+
+__all__ = ["load_config"]
+
+
+def load_config(source: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(label, config dict) from a dict, a config.json, a model folder, an embedded name, a .gguf
+    file or a hub id. Raises ModelSourceError with what was tried when none can be read."""
+    if isinstance(source, Mapping):
+        return str(source.get("_name_or_path") or source.get("model_type") or "config"), dict(source)
+    spec = str(source)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        return spec, _read_json(path)
+    from .. import models
+
+    src = models.resolve(spec)  # raises with the embedded names and the closest match
+    if src.kind == "local":
+        assert src.path is not None
+        return spec, models.read_config(src.path)  # names the file and what is wrong with it
+    if src.kind in ("embedded", "gguf"):
+        assert src.path is not None
+        models.check_files(src, complete=False)  # a junk or truncated GGUF header: a clear error, not gguf's ValueError
+        return spec, _gguf_config(src.path)
+    return spec, _hub_config(spec)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelSourceError(f"config {str(path)!r} could not be read: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelSourceError(f"config {str(path)!r}: expected a JSON object, got {type(data).__name__}.")
+    return data
+
+
+_GGUF_CONFIGS: dict[tuple[str, int], dict[str, Any]] = {}  # (path, mtime_ns) -> config: parsing a header takes seconds
+
+
+def _gguf_config(path: Path) -> dict[str, Any]:
+    """A transformers-style config from GGUF metadata (no tensor data is read; cached per file)."""
+    key = (str(path), path.stat().st_mtime_ns)
+    if key not in _GGUF_CONFIGS:
+        _GGUF_CONFIGS[key] = _read_gguf_config(path)
+    return dict(_GGUF_CONFIGS[key])
+
+
+def _read_gguf_config(path: Path) -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def get(key: str) -> Any:
+        field = reader.fields.get(key)
+        if field is None or not field.data:
+            return None
+        value = field.parts[field.data[0]]
+        if field.types and field.types[0].name == "STRING":
+            return bytes(value).decode("utf-8")
+        return value.tolist()[0] if hasattr(value, "tolist") else value
+
+    arch = get("general.architecture") or "llama"
+    vocab = get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    config = {
+        "model_type": arch,
+        "num_hidden_layers": get(f"{arch}.block_count"),
+        "hidden_size": get(f"{arch}.embedding_length"),
+        "intermediate_size": get(f"{arch}.feed_forward_length"),
+        "num_attention_heads": get(f"{arch}.attention.head_count"),
+        "num_key_value_heads": get(f"{arch}.attention.head_count_kv"),
+        "head_dim": get(f"{arch}.attention.key_length") or get(f"{arch}.rope.dimension_count"),
+        "vocab_size": vocab,
+        # GGUF stores no separate output matrix when the head is tied to the token embedding.
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+    }
+    return {k: v for k, v in config.items() if v is not None}  # a key the header lacks takes the architecture's default
+
+
+def _hub_config(repo_id: str) -> dict[str, Any]:
+    """config.json of a hub model: the local HF cache first, then the hub (after a 3 s reachability
+    check, so an offline machine fails at once instead of after huggingface_hub's ~25 s of retries)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return _read_json(Path(hf_hub_download(repo_id, "config.json", local_files_only=True)))
+    except Exception:
+        pass  # not cached: ask the hub
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    hint = "Pass a local model folder or a config.json path instead."
+    if not offline:
+        try:
+            socket.create_connection((host, 443), timeout=3).close()
+        except OSError as e:
+            offline = True
+            hint = f"({host} is unreachable: {e}). " + hint
+    if offline:
+        raise ModelSourceError(f"model {repo_id!r}: it is a hub id, its config.json is not in the local Hugging Face cache, and this machine is offline {hint}")
+    try:
+        path = hf_hub_download(repo_id, "config.json")
+    except Exception as e:  # unknown or gated repo: the cause is in the message
+        raise ModelSourceError(f"model {repo_id!r}: could not fetch its config.json from the hub ({type(e).__name__}: {str(e)[:200]}). {hint}") from None
+    return _read_json(Path(path))
