@@ -151,8 +151,11 @@ def test_a_pipeline_run_writes_the_one_user_section(tiny_dir, tmp_path):
                                fail={"hardware.dtype": {"float16": "simulated out of memory"}})
     result = Pipeline(recipe, out_dir=tmp_path, progress=False, machine=cpu_machine(), build=build, refuse=FakeEngine.refuse, limits=LIMITS).run()
     rows = _section((tmp_path / "report.md").read_text())
-    measured = [s for s in result.trace.steps if s.status in ("kept", "rolled_back")]
-    assert {s.status for s in result.trace.steps} >= {"kept", "rolled_back", "failed", "skipped"}
+    assert [s.status for s in result.trace.steps] == ["kept", "failed", "skipped", "rolled_back"], [s.reason for s in result.trace.steps]
+    bf16, _, _, off = result.trace.steps
+    assert bf16.reason.startswith("decode_tokens_per_s paired estimate +50.0% [95%: +50.0%, +50.0%], medians 1000.0 -> 1500.0"), bf16.reason
+    assert off.reason.startswith("decode_tokens_per_s paired estimate -70.0% [95%: -70.0%, -70.0%], medians 1500.0 -> 450.0"), off.reason
+    measured = [bf16, off]
     assert len(rows) == 1 + len(measured), rows
     for s, row in zip(measured, rows[1:]):
         assert row.startswith(f"- {s.layer}/{s.label()}, ") and "TTFT " in row and "streams " in row and "answer " in row

@@ -101,7 +101,7 @@ def test_gap_per_step_and_final(fake_model, tmp_path):
     base = result.trace.baseline.metrics["targets"]
     assert not base["decode_tokens_per_s"]["met"] and "short" in base["decode_tokens_per_s"]["text"]
     (step,) = result.trace.steps
-    assert step.status == "kept", step.reason
+    assert step.status == "kept" and step.reason.startswith("decode_tokens_per_s paired estimate +100.0% [95%: +100.0%, +100.0%], medians 1000.0 -> 2000.0"), step.reason
     assert step.metrics["targets"]["decode_tokens_per_s"]["met"]
     final = result.trace.final["targets"]
     assert final["decode_tokens_per_s"]["met"] and not final["throughput_tokens_per_s"]["met"]
@@ -124,10 +124,12 @@ def test_stop_at_target_skips_the_rest(fake_model):
     build = {"speed": {"hardware.dtype": {"bfloat16": 2.0}}}
     stopped = _run(recipe, stop_at_target=True, **build)
     assert [s.status for s in stopped.trace.steps] == ["kept", "skipped"]
-    assert stopped.trace.steps[1].reason.startswith("stop-at-target: every target is met (decode_tokens_per_s")
+    assert stopped.trace.steps[0].reason.startswith("decode_tokens_per_s paired estimate +100.0% [95%: +100.0%, +100.0%], medians 1000.0 -> 2000.0")
+    assert stopped.trace.steps[1].reason == "stop-at-target: every target is met (decode_tokens_per_s 2000 vs 1500: met (1.3x))"
     # Without the flag the same run goes on to the next pass.
     full = _run(recipe, **build)
-    assert full.trace.steps[1].status != "skipped"
+    assert [s.status for s in full.trace.steps] == ["kept", "kept"], [s.reason for s in full.trace.steps]
+    assert full.trace.steps[1].reason.startswith("e2e_ms paired estimate -50.0% [95%: -50.0%, -50.0%], medians 4 -> 2"), full.trace.steps[1].reason
 
 
 def test_stop_at_target_does_not_stop_an_unmet_run(fake_model):
