@@ -142,14 +142,20 @@ def test_measure_under_load_reports_throughput_and_percentiles(tiny_dir):
 
 
 def test_pipeline_judges_batching_under_the_load_profile(tiny_dir, small_recipe, tmp_path):
-    """With a load profile, the pipeline measures every step through a server and records load percentiles."""
+    """With a load profile, the pipeline measures every step through a server and records load percentiles.
+
+    Whether batching pays on the tiny model depends on the machine, so the recipe judges on a
+    number no step can move (new tokens: ignore_eos fixes each answer at 8) with the speed guards
+    off: the step is measured and rolled back as "no change", a verdict known in advance. The
+    concurrency search is tested on the fake engine (tests/pipeline/test_load_search.py)."""
     from fractal_opt.pipeline.runner import Pipeline
 
     recipe = small_recipe(
         tiny_dir,
-        passes={"scheduling": [{"batching": {"mode": "continuous"}}, {"concurrency": {"mode": "ramp", "levels": [2, 4]}}]},
-        load={"mode": "closed", "concurrency": 2, "requests": 4, "output_tokens": [4, 8], "ignore_eos": True},
+        passes={"scheduling": [{"batching": {"mode": "continuous"}}]},
+        load={"mode": "closed", "concurrency": 2, "requests": 4, "output_tokens": [8, 8], "ignore_eos": True},
         repeats=1, warmup=0,
+        policy={"objective": "new_tokens", "guards": {"throughput_tokens_per_s": None, "ttft_ms_p90": None, "itl_ms_p90": None}},
     )
     result = Pipeline(recipe, out_dir=tmp_path, progress=False).run()
     data = json.loads((tmp_path / "trace.json").read_text())
@@ -157,13 +163,10 @@ def test_pipeline_judges_batching_under_the_load_profile(tiny_dir, small_recipe,
     assert base["throughput_tokens_per_s"] > 0 and base["ttft_ms_p90"] is not None and base["itl_ms_p90"] is not None
     report = (tmp_path / "report.md").read_text()
     assert "Under load (closed" in report and "TTFT p50 / p90 / p99 ms" in report
-    steps = result.trace.steps
-    assert [s.pass_name for s in steps][:2] == ["batching", "concurrency"] and {s.pass_name for s in steps[1:]} == {"concurrency"}
-    assert steps[0].status in ("kept", "rolled_back") and steps[0].metrics.get("throughput_tokens_per_s")
-    if "no change beyond noise" in steps[1].reason:  # a level that trips nothing and costs nothing holds
-        assert steps[1].status == "kept" and steps[1].reason.startswith("holds")
-    # The concurrency search (levels [2, 4]: from 2 up to 4) ends with its answer in the trace.
-    assert result.trace.searches and result.trace.searches[0]["answer"].startswith("max concurrency that ")
+    (step,) = result.trace.steps
+    assert step.status == "rolled_back", step.reason
+    assert step.reason.startswith("no change beyond noise: new_tokens paired estimate +0.0% [95%: +0.0%, +0.0%], medians 8 -> 8"), step.reason
+    assert step.metrics["throughput_tokens_per_s"] > 0 and step.metrics["ttft_ms_p90"] is not None and step.metrics["itl_ms_p90"] is not None
 
 
 def test_goodput_counts_only_requests_that_meet_every_slo():
