@@ -47,6 +47,7 @@ def run_dir(tmp_path):
 
 
 def test_load_run_gives_the_kept_passes(run_dir):
+    """A run folder's trace.json gives back the recipe of its kept passes, in the order kept."""
     recipe = load_run(run_dir)
     assert [p.name for p in recipe.passes] == ["dtype", "attention", "kv_cache", "max_new_tokens"]
 
@@ -82,22 +83,26 @@ def test_finds_a_pair_that_hurts_only_together(run_dir):
 
 
 def test_nothing_to_bisect_when_the_plan_is_not_worse(run_dir):
+    """A full plan no worse than the baseline is not bisected: one probe, and the note says so."""
     result = bisect_run(run_dir, build=FakeEngine.factory(), machine=cpu_machine())
     assert result.culprits == [] and "nothing to bisect" in result.note
     assert len(result.probes) == 1
 
 
 def test_not_a_run_folder(tmp_path):
+    """A folder without trace.json is refused, naming what is missing."""
     with pytest.raises(RecipeError, match="no trace.json"):
         load_run(tmp_path)
 
 
 def test_unknown_metric_names_the_closest(run_dir):
+    """A misspelt --metric fails naming the closest valid metric."""
     with pytest.raises(RecipeError, match="Did you mean 'e2e_ms'"):
         bisect(load_run(run_dir), metric="e2e_msec", build=FakeEngine.factory(), machine=cpu_machine())
 
 
 def test_result_serializes(run_dir):
+    """The bisect result is plain JSON: the culprit eager attention (0.3x) and the bad full plan survive json.dumps."""
     result = bisect_run(run_dir, build=FakeEngine.factory(speed={"hardware.attention": {"eager": 0.3}}), machine=cpu_machine())
     data = json.loads(json.dumps(result.to_dict()))
     assert data["culprits"] == ["hardware/attention(implementation=eager)"] and data["probes"][0]["bad"]

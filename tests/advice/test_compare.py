@@ -40,12 +40,14 @@ def _run_folder(folder, recipe_data, decode):
 
 
 def test_plan_diff_lists_changed_fields_only():
+    """plan_diff lists only the fields that differ, as (field, A, B)."""
     a = Plan(source="m")
     b = a.replace_section("hardware", dtype="bfloat16").replace_section("model", weight_bits=8)
     assert plan_diff(a, b) == [("hardware.dtype", "float32", "bfloat16"), ("model.weight_bits", None, 8)]
 
 
 def test_two_runs_side_by_side_with_targets(tmp_path, model):
+    """Two run folders side by side: the plan difference, each side's decode with its band, and which side meets the target."""
     targets = {"decode_tokens_per_s": 30}
     a = _run_folder(tmp_path / "a", _recipe(model, targets=targets), decode=12.0)
     b = _run_folder(tmp_path / "b", _recipe(model, {"hardware": [{"dtype": {"dtype": "bfloat16"}}]}, targets), decode=31.0)
@@ -69,6 +71,7 @@ def test_recipes_measured_interleaved(tmp_path, model):
 
 
 def test_neither_recipe_nor_run(tmp_path):
+    """A folder that is neither a recipe nor a run folder is refused, naming the missing trace.json."""
     (tmp_path / "empty").mkdir()
     with pytest.raises(RecipeError, match="no trace.json"):
         load_side(tmp_path / "empty")

@@ -53,6 +53,7 @@ def test_busy_machine_is_flagged():
 
 
 def test_context_cap_over_the_positions_fails(model_dir):
+    """A context cap beyond the model's position table fails, quoting both numbers."""
     recipe = _recipe(model_dir, passes={"model": [{"context_cap": {"tokens": 4096}}]})
     checks = _by_name(doctor(recipe, machine=cpu_machine(), sample_s=0.1))
     assert checks["context vs positions"].verdict == FAIL
@@ -60,6 +61,7 @@ def test_context_cap_over_the_positions_fails(model_dir):
 
 
 def test_memory_that_does_not_fit_fails(model_dir):
+    """Weights that do not fit the machine's memory fail the headroom check, and the action suggests int8."""
     small = cpu_machine(memory_bytes=2 * 2**20)  # 2 MiB: the 4-layer model's weights alone are ~11 MB
     checks = _by_name(doctor(_recipe(model_dir), machine=small, sample_s=0.1))
     assert checks["memory headroom"].verdict == FAIL
@@ -68,6 +70,7 @@ def test_memory_that_does_not_fit_fails(model_dir):
 
 
 def test_cuda_recipe_without_a_gpu_fails(model_dir):
+    """A CUDA recipe on a CPU machine fails the device check; GPU-only checks say n/a; the pass is named."""
     recipe = _recipe(model_dir, passes={"hardware": [{"device": {"device": "cuda"}}]})
     checks = _by_name(doctor(recipe, machine=cpu_machine(), sample_s=0.1))
     assert checks["device and driver"].verdict == FAIL
@@ -86,6 +89,7 @@ def test_quantization_that_did_not_apply_fails(model_dir):
 
 
 def test_census_checks_on_a_quantized_small_model():
+    """A census with 9 of 10 linear layers quantized passes the dtype check and warns of the dequantizing fallback."""
     plan = Plan(source="tiny", model=ModelPlan(weight_bits=8, quant_backend="torchao"))
     census = {"bytes_by_type": {"float32": 100, "AffineQuantizedTensor(int8)": 300}, "linear_layers": 10, "quantized_linear_layers": 9}
     from fractal_opt.measure.budget import shape_from_config
@@ -96,6 +100,7 @@ def test_census_checks_on_a_quantized_small_model():
 
 
 def test_too_many_threads_warns(model_dir):
+    """A plan asking for more threads than the machine's cores warns, quoting the count."""
     recipe = _recipe(model_dir, passes={"hardware": [{"threads": {"count": 8}}]})
     checks = _by_name(doctor(recipe, machine=cpu_machine(), sample_s=0.1))
     assert checks["CPU threads"].verdict == WARN and "the plan asks for 8" in checks["CPU threads"].found

@@ -55,6 +55,7 @@ def test_long_answers_get_a_cap(model_dir):
 
 
 def test_a_pass_this_machine_cannot_run_is_left_out_with_the_reason(model_dir, tmp_path):
+    """Without a quantization backend, quantize is not suggested: it is listed as left out, with the reason, in the YAML too."""
     bare = cpu_machine(packages={"torch": "2.13.0", "transformers": "5.0"})  # no quantization backend installed
     advice = _suggest(model_dir, machine=bare, per_token_ms=10)  # bandwidth-bound: int8 weights would be suggested
     assert "quantize" not in [s.p.name for s in advice.suggestions]
@@ -65,6 +66,7 @@ def test_a_pass_this_machine_cannot_run_is_left_out_with_the_reason(model_dir, t
 
 
 def test_the_written_recipe_loads(model_dir, tmp_path):
+    """The suggested recipe file loads back with the suggested passes, the targets and a comment per pass."""
     advice = _suggest(model_dir, per_token_ms=20)
     advice.targets = parse_target_arg("decode_tokens_per_s=30,ttft_ms_p90=800")
     path = advice.write(tmp_path / "suggested.yaml")
@@ -76,6 +78,7 @@ def test_the_written_recipe_loads(model_dir, tmp_path):
 
 
 def test_bad_target_argument():
+    """A misspelt --target metric names the closest; a target without '=number' says the expected form."""
     with pytest.raises(RecipeError, match="Did you mean 'ttft_ms_p90'"):
         parse_target_arg("ttft_p90=800")
     with pytest.raises(RecipeError, match="not metric=number"):

@@ -114,6 +114,7 @@ def test_an_impossible_share_reprobes_once_and_then_reports_the_new_ceiling(monk
 
 
 def test_a_share_still_impossible_after_the_reprobe_says_probe_unreliable(monkeypatch):
+    """A compute share still above the ceiling after one reprobe is not reported: the note says the probe is unreliable."""
     sm, engine, m, probes = _roofline_fixture(monkeypatch, reprobed_flops=1e9)
     r = sm.roofline(engine, m)
     assert len(probes) == 1 and "compute_fraction" not in r and r["prefill_bound"] == "unknown"

@@ -195,22 +195,26 @@ def _step(fault_run, position: int):
 
 
 def test_a_check_that_raises_is_a_failed_step(fault_run):
+    """A pass whose check raises is a failed step naming the stage and the exception, with the traceback kept."""
     step = _step(fault_run, 1)
     assert (step.status, step.reason) == ("failed", "check: RuntimeError: check broke")
     assert "check broke" in step.timings["traceback"]
 
 
 def test_an_apply_that_raises_is_a_failed_step(fault_run):
+    """A pass whose apply raises is a failed step naming the stage and the exception."""
     step = _step(fault_run, 2)
     assert (step.status, step.reason) == ("failed", "apply: KeyError: 'apply broke'")
 
 
 def test_a_failed_build_is_a_failed_step(fault_run):
+    """A build that raises (simulated out of memory) is a failed step naming the stage and the message."""
     step = _step(fault_run, 3)
     assert (step.status, step.reason) == ("failed", "build: RuntimeError: simulated out of memory while loading")
 
 
 def test_a_failed_measurement_is_a_failed_step(fault_run):
+    """Serving that raises during measurement is a failed step naming the stage and the message."""
     step = _step(fault_run, 4)
     assert (step.status, step.reason) == ("failed", "measure: RuntimeError: simulated CUDA error while decoding")
 
@@ -239,11 +243,13 @@ def test_a_nan_quality_number_is_not_kept(fault_run):
 
 
 def test_a_probe_that_calls_sys_exit_is_a_failed_step(fault_run):
+    """A custom quality probe calling sys.exit is a failed step, not the end of the run."""
     step = _step(fault_run, 8)
     assert (step.status, step.reason) == ("failed", "quality: RuntimeError: custom probe 'steady' called sys.exit(3)")
 
 
 def test_a_judge_that_raises_is_a_failed_step(fault_run):
+    """A policy whose judge raises is a failed step naming the stage and the exception."""
     step = _step(fault_run, 9)
     assert (step.status, step.reason) == ("failed", "judge: ZeroDivisionError: judge broke")
 
@@ -262,6 +268,7 @@ def test_the_run_goes_on_after_every_fault(fault_run):
     ("leaves", "baseline: quality: RuntimeError: custom probe 'leaves' called sys.exit(4)"),
 ])
 def test_a_failing_baseline_ends_the_run_with_a_finished_trace(probes_module, tmp_path, probe, reason):
+    """A baseline whose probe raises or exits ends the run with RunFailed and a finished trace.json that records why."""
     pipeline = _pipeline(_recipe(fake_model(tmp_path / "model"), f"{probes_module}:{probe}", passes={"application": [{"max_new_tokens": {"limit": 2}}]}),
                          tmp_path / "out")
     with pytest.raises(RunFailed, match="the baseline failed, so no pass was tried") as e:
@@ -273,6 +280,7 @@ def test_a_failing_baseline_ends_the_run_with_a_finished_trace(probes_module, tm
 
 
 def test_a_hung_baseline_ends_at_its_timeout(probes_module, tmp_path):
+    """A baseline stuck in a probe ends at policy.timeout_s with RunFailed and a finished trace.json."""
     pipeline = _pipeline(_recipe(fake_model(tmp_path / "model"), f"{probes_module}:spins", timeout_s=1), tmp_path / "out")
     with pytest.raises(RunFailed, match=r"timeout after 1 s \(policy.timeout_s\)"):
         pipeline.run()
@@ -283,6 +291,7 @@ def test_a_hung_baseline_ends_at_its_timeout(probes_module, tmp_path):
 # ---------------------------------------------------------------------- the deadline itself
 
 def test_the_deadline_returns_and_raises_what_the_step_did():
+    """run_with_deadline returns the step's value, with or without a deadline, and passes its SystemExit on."""
     assert run_with_deadline(lambda: 42, 5) == 42
     assert run_with_deadline(lambda: 42, None) == 42
 

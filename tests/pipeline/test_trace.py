@@ -130,6 +130,7 @@ def test_reading_other_schemas_says_what_to_do():
 
 
 def test_load_names_the_file(tmp_path):
+    """A trace.json that is not JSON fails naming the file."""
     bad = tmp_path / "trace.json"
     bad.write_text("{not json")
     with pytest.raises(TraceSchemaError, match=str(bad)):

@@ -60,6 +60,7 @@ def test_loading_a_second_server_drops_the_first(monkeypatch: pytest.MonkeyPatch
 
 
 def test_evict_except_and_clear_cache_drop_the_resident_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """evict_except keeps the named plan's resident server and drops it when no plan is kept."""
     monkeypatch.setattr(llama_engine, "common_params", lambda settings: settings)
     a = _resident(1)
     a.server()
