@@ -43,7 +43,7 @@ from .plan import Plan
 from .policy import Policy
 from .quality.probes import QualityConfig
 from .targets import Targets, parse_targets
-from .validate import Problems, build, plain, read_text, yaml_problem
+from .validate import MAX_RECIPE_BYTES, Problems, build, parse_yaml, plain, read_text, yaml_problem
 from .workload import Request, Workload
 
 __all__ = ["RECIPE_VERSION", "Recipe", "dump_recipe", "load_recipe"]
@@ -158,10 +158,10 @@ def load_recipe(source: Recipe | Mapping[str, Any] | str | Path, *, check_model:
     if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and (source.endswith((".yaml", ".yml")) or ":" not in source)):
         path = Path(source)
         where = str(path)
-        source = read_text(path, what="recipe file")
+        source = read_text(path, what="recipe file", max_bytes=MAX_RECIPE_BYTES)
     if isinstance(source, str):
         try:
-            data = yaml.safe_load(source)
+            data = parse_yaml(source, where=where)  # C loader; caps on size, values (aliases expanded) and depth
         except yaml.YAMLError as e:
             raise RecipeError(f"{where}: not valid YAML{yaml_problem(e)}.") from None
     else:
@@ -191,6 +191,10 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
             models.check_files(source, complete=complete_model)
         except ModelSourceError as e:
             found.add(f"{where}: {e}")
+            source = None
+        except OSError as e:  # a name the OS refuses as a path (too long, a loop of links)
+            found.add(f"{where}, key 'model': {model[:60]!r}{'...' if len(model) > 60 else ''} ({len(model)} characters) cannot be used as a path: "
+                      f"{e.strerror or e}. Give an embedded name, a local folder, a .gguf file or a hub id.")
             source = None
     name = data.get("name")
     if name is not None and not isinstance(name, str):

@@ -57,6 +57,8 @@ RECIPES = [
     ("gguf-truncated.yaml", ["truncated.gguf", "truncated"]),
     ("gguf-version-99.yaml", ["version-99.gguf", "GGUF version 99"]),
     ("many-problems.yaml", ["4 problems", "'workloda'", "'repeats'", "'dtpe'", "'bitz'"]),
+    ("alias-bomb.yaml", ["alias-bomb.yaml", "more than 100,000 values with aliases expanded"]),
+    ("model-name-too-long.yaml", ["model-name-too-long.yaml", "'model'", "300 characters", "cannot be used as a path", "File name too long"]),
 ]
 
 
@@ -174,3 +176,73 @@ def test_check_json_lists_every_file_and_problem(capsys):
     assert by_file["recipes/good.yaml"]["valid"] and by_file["recipes/good.yaml"]["problems"] == []
     assert len(by_file["recipes/many-problems.yaml"]["problems"]) == 4
     assert by_file["recipes/probes-without-opt-in.yaml"]["imports"] == ["os:system"]
+
+
+# Hostile files, written at test time (too large to keep in the corpus): each must be refused with
+# exit 2, no traceback, in under a second and 200 MB. They run in one child process so its peak
+# memory is theirs alone; the parent asserts on what it reports.
+_BOMB = ["&a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"] + [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+_PLACES = {  # where the bomb goes: a key path of the recipe
+    "name": "name: {}", "model": "model: {}", "workload.suite": "workload:\n  suite: {}", "workload.load": "workload:\n  load: {}",
+    "policy.guards": "policy:\n  guards: {}", "passes": "passes: {}", "targets": "targets: {}",
+}
+
+
+def _hostile_files(folder: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (file, a substring its refusal must hold)."""
+    bomb = "[" + ", ".join(_BOMB) + "]"
+    files: dict[str, tuple[str, str]] = {}
+    for place, template in _PLACES.items():
+        head = "" if place == "model" else "model: models/positions-64\n"
+        files[f"bomb-{place}.yaml"] = (head + template.format(bomb) + "\n", "with aliases expanded")
+    files["keys-500k.yaml"] = ("model: models/positions-64\nworkload:\n" + "".join(f"  k{i}: {i}\n" for i in range(500_000)), "at most 1 MiB")
+    files["passes-200k.yaml"] = ("model: models/positions-64\npasses:\n  hardware:\n" + "  - {threads: {count: 1}}\n" * 200_000, "at most 1 MiB")
+    files["guards-400k.yaml"] = ("model: models/positions-64\npolicy:\n  guards:\n" + "".join(f"    g{i}: {{max: 1}}\n" for i in range(400_000)), "at most 1 MiB")
+    files["deep-flow.yaml"] = ("model: models/positions-64\nname: " + "[" * 100_000 + "]" * 100_000 + "\n", "nesting depth")
+    files["deep-block.yaml"] = ("model: models/positions-64\nname:\n" + "".join("  " * i + "-\n" for i in range(1, 400)), "deeper than 64 levels")
+    (folder / "deep.jsonl").write_text('{"prompt": "hi"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    files["suite-deep-jsonl.yaml"] = (f"model: models/positions-64\nworkload: {{suite: {folder / 'deep.jsonl'}}}\n", "line 2 is nested deeper")
+    out = {}
+    for name, (text, expected) in files.items():
+        (folder / name).write_text(text)
+        out[name] = (folder / name, expected)
+    return out
+
+
+_MEASURE = """
+import io, json, sys, time
+from contextlib import redirect_stderr, redirect_stdout
+from fractal_opt.cli import main
+results = {}
+for path in sys.argv[1:]:
+    err = io.StringIO()
+    t = time.perf_counter()
+    with redirect_stderr(err), redirect_stdout(err):
+        code = main(["check", path])
+    results[path] = {"code": code, "s": time.perf_counter() - t, "out": err.getvalue()}
+# VmHWM: this process's own peak (ru_maxrss would carry the forking pytest's across exec)
+results["peak_mb"] = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) / 1024
+print(json.dumps(results))
+"""
+
+
+def test_hostile_recipes_are_refused_fast_and_small(tmp_path):
+    """An alias bomb under every key, 10 MB recipes, 100,000-deep nesting (YAML and a suite's JSONL):
+    exit 2 naming the file and the limit, no traceback, each in under a second, under 200 MB."""
+    import subprocess
+    import sys
+
+    files = _hostile_files(tmp_path)
+    args = [str(path) for path, _ in files.values()]
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(BAD.parents[2])}  # this checkout's fractal_opt, whatever is installed
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, *args], cwd=BAD, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout)
+    for name, (path, expected) in files.items():
+        r = results[str(path)]
+        assert r["code"] == 2, f"{name} exited {r['code']}: {r['out'][-500:]}"
+        assert "Traceback" not in r["out"] and expected in r["out"] and name in r["out"], f"{name}: {r['out'][-500:]}"
+        assert r["s"] < 1.0, f"{name} took {r['s']:.2f} s"
+    assert results["peak_mb"] < 200, f"peak RSS {results['peak_mb']:.0f} MB"

@@ -63,6 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     except FractalOptError as e:
         print(f"fractal-opt: {e}", file=sys.stderr)
         return 2 if type(e).__name__ == "ModelSourceError" else 1
+    except OSError as e:
+        import errno
+
+        # A path the OS refuses as given (a 300-character name, a loop of links, a file used as a
+        # folder) is the user's input, wherever it is first touched; any other OSError is a failure.
+        if e.errno not in (errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTDIR):
+            raise
+        name = str(e.filename or "")
+        shown = repr(name) if len(name) <= 80 else repr(name[:60] + "...") + f" ({len(name)} characters)"
+        print(f"fractal-opt: invalid input: the path {shown} cannot be used: {e.strerror}.", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `fractal-opt ... | head`: the reader left; not an error of ours
         import os
 

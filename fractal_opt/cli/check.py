@@ -44,10 +44,13 @@ def _declared_code(path: str) -> list[str]:
     """The probes a file names, read without validating it (so an invalid recipe's code is listed too)."""
     import yaml
 
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    from ..errors import RecipeError
+    from ..validate import MAX_RECIPE_BYTES, parse_yaml, read_text
+
+    try:  # the guarded loader: a hostile file is refused here in milliseconds, as by load_recipe
+        data = parse_yaml(read_text(Path(path), what="recipe file", max_bytes=MAX_RECIPE_BYTES), where=path)
         probes = data["quality"]["probes"]
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):  # check_file refuses such a file with its own message
+    except (RecipeError, yaml.YAMLError, KeyError, TypeError):  # check_file refuses such a file with its own message
         return []
     return [str(p) for p in probes] if isinstance(probes, list) else []
 
