@@ -20,6 +20,8 @@ def add(sub) -> None:
     again.add_argument("--force", action="store_true", help="replace the run in --out")
     p.add_argument("--wait-quiet", nargs="?", type=float, const=600.0, default=0.0, metavar="SECONDS",
                    help="before measuring, wait until other processes leave the CPU (at most SECONDS, default 600)")
+    p.add_argument("--reconfirm", action="store_true",
+                   help="with --resume on a finished run: measure the final confirmation again (default: the journal's, so nothing is measured)")
     p.add_argument("--stop-at-target", action="store_true", help="end the run once every target of the recipe is met (the remaining steps are recorded as skipped)")
     p.set_defaults(func=run)
 
@@ -27,15 +29,22 @@ def add(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from ..errors import RecipeError
     from ..pipeline.confirm import final_lines
     from ..pipeline.report import busy_warning
-    from ..pipeline.runner import optimize
+    from ..pipeline.runner import Pipeline
     from ..recipe import load_recipe
 
+    if not args.out.strip():  # Path("") is the current folder: a run would write its files there
+        raise RecipeError(f"run --out: got {args.out!r}, expected a folder path (default: fractal-out).")
+    if args.reconfirm and not args.resume:
+        raise RecipeError("run --reconfirm measures a finished run's final confirmation again: it goes with --resume.")
     for spec in load_recipe(args.recipe, check_model=False).code():  # quality.allow_code: the recipe's own code is a trust boundary
         print(f"fractal-opt: this recipe imports and runs: {spec}", file=sys.stderr)
-    result = optimize(args.recipe, out=args.out, progress=not args.quiet, stop_at_target=args.stop_at_target, wait_quiet=args.wait_quiet,
-                      resume=args.resume, force=args.force)
+    pipeline = Pipeline(args.recipe, out_dir=args.out, progress=not args.quiet, stop_at_target=args.stop_at_target, wait_quiet=args.wait_quiet,
+                        resume=args.resume, force=args.force)
+    pipeline.reconfirm = args.reconfirm
+    result = pipeline.run()
     if args.json:
         print(json.dumps(_summary(result.trace, args.out), indent=2, allow_nan=False, default=str))
         return 0

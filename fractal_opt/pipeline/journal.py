@@ -6,7 +6,14 @@ per finished step, each with what the runner needs to go on from there: the step
 holds it, the verdict's outcome (ramps decide their next level from it), and the state after the
 step (the kept plan, its latest measurement, its quality numbers and weights). A line is appended
 and fsynced before the step counts as finished, so a kill loses at most the step in progress;
-a torn last line (killed mid-write) is dropped on reading.
+a torn last line (killed mid-write: no newline yet) is dropped on reading, and cut off the file
+on resuming, byte for byte, so no whole record is ever rewritten. After the last step comes one
+``final`` record: the final confirmation, so resuming a finished run measures nothing again.
+
+Every other malformed line (not JSON, not an object, a record missing what resuming reads, a
+step out of order) refuses the resume (:class:`~fractal_opt.errors.ResumeError`, exit 2) naming
+the line: a journal is never read past a bad line, and never rewritten around one, because the
+records after it are as valid as those before.
 
 Resuming (``fractal-opt run RECIPE --out DIR --resume``) compares the fingerprint with the one
 in the header and refuses, naming what changed, when they differ: numbers measured with another
@@ -32,9 +39,11 @@ from ..errors import ResumeError
 from ..machine import Machine
 from ..measure.metrics import Measurement, Sample
 from ..recipe import Recipe
+from ..plan import Plan
 from .outputs import write_outputs
+from .trace import Step
 
-__all__ = ["JOURNAL", "Journal", "differences", "fingerprint", "measurement_from_dict", "measurement_to_dict"]
+__all__ = ["JOURNAL", "Journal", "differences", "fingerprint", "measurement_from_dict", "measurement_to_dict", "record_problem"]
 
 JOURNAL = "journal.jsonl"
 VERSION = 1  # of the journal's records; a journal of another version cannot be resumed
@@ -114,38 +123,35 @@ class Journal:
         return self.path.is_file()
 
     def read(self) -> list[dict[str, Any]]:
-        """Every whole record, in order; reading stops at a torn or unreadable line."""
-        records = []
-        with self.path.open("rb") as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break  # the run was killed while writing this line
-                try:
-                    records.append(json.loads(line))
-                except (ValueError, UnicodeDecodeError):
-                    break
-        return records
+        """Every whole record, in order, each checked (:func:`record_problem`); a torn last line is left out.
+
+        Raises:
+            ResumeError: a line that is not a whole, well-formed record, naming it.
+        """
+        return [record for _, record in self._lines()[0]]
 
     def start(self, fp: dict[str, Any]) -> None:
         """A fresh journal holding only the header: the run in this folder has begun."""
         self.rewrite([{"kind": "run", "fingerprint": fp}])
 
     def resume(self, fp: dict[str, Any]) -> list[dict[str, Any]]:
-        """The records of the run to resume, after checking its fingerprint against ``fp``.
+        """The records of the run to resume, after checking its fingerprint against ``fp``. A torn
+        last line is cut off the file (the bytes after the last newline), nothing else is touched.
 
         Raises:
-            ResumeError: the journal is unreadable, or its fingerprint differs (naming what changed).
+            ResumeError: a malformed line (naming it), or a fingerprint that differs (naming what changed).
         """
-        records = self.read()
-        if not records or records[0].get("kind") != "run" or "fingerprint" not in records[0]:
+        lines, whole = self._lines()
+        if not lines:
             raise ResumeError(f"cannot resume {str(self.path.parent)!r}: {JOURNAL} there has no readable header. Use --force to start a new run there.")
-        old = records[0]["fingerprint"]
+        old = lines[0][1]["fingerprint"]
         if old != fp:
             changed = "; ".join(differences(old, fp))
             raise ResumeError(f"cannot resume {str(self.path.parent)!r}: the run there was made with other inputs ({changed}). "
                               "Numbers from different inputs cannot be compared; use --force to start a new run there, or another --out.")
-        self.rewrite(records)  # drops a torn last line, so the next append starts on a line of its own
-        return records[1:]
+        if whole < self.path.stat().st_size:
+            os.truncate(self.path, whole)  # the torn line only: the next append starts on a line of its own
+        return [record for _, record in lines[1:]]
 
     def append(self, record: dict[str, Any]) -> None:
         """Add one record and make it durable before returning."""
@@ -158,6 +164,86 @@ class Journal:
     def rewrite(self, records: list[dict[str, Any]]) -> None:
         text = "".join(json.dumps(r, default=str, allow_nan=True, separators=(",", ":")) + "\n" for r in records)
         write_outputs(self.path.parent, {JOURNAL: text})
+
+    def _lines(self) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+        """``[(line number, record)]`` of the whole lines, each checked, and the bytes they span."""
+        try:
+            raw = self.path.read_bytes()
+        except OSError as e:
+            raise ResumeError(f"cannot resume {str(self.path.parent)!r}: {JOURNAL} cannot be read: {e.strerror or e}. Use --force to start a new run there.") from None
+        whole = raw.rfind(b"\n") + 1  # after it: a line the run was killed while writing
+        out: list[tuple[int, dict[str, Any]]] = []
+        previous: dict[str, Any] | None = None
+        for number, line in enumerate(raw[:whole].split(b"\n")[:-1], start=1):
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError) as e:  # RecursionError: nesting the C decoder refuses
+                problem = f"is not valid JSON ({type(e).__name__}: {str(e)[:80]})"
+            else:
+                problem = record_problem(record, first=number == 1, previous=previous)
+            if problem is not None:
+                msg = (f"cannot resume {str(self.path.parent)!r}: {JOURNAL} line {number} {problem}. The journal is left as it is: repair or "
+                       "remove that line (every line after it is a record of its own), or use --force to start a new run there.")
+                raise ResumeError(msg)
+            out.append((number, record))
+            previous = record
+        return out, whole
+
+
+def record_problem(record: Any, *, first: bool, previous: dict[str, Any] | None) -> str | None:
+    """What is wrong with one journal record (after ``previous``), in words, or None.
+
+    Checks what resuming reads: the header's fingerprint; a baseline or step record's step (it must
+    read back as a trace :class:`~.trace.Step`) and state (plan and measurement); steps numbered
+    1, 2, 3, ... after the baseline; the final confirmation after them.
+    """
+    if not isinstance(record, dict):
+        return f"is a JSON {_json_type(record)}, not a record object"
+    kind = record.get("kind")
+    if first:
+        if kind != "run" or not isinstance(record.get("fingerprint"), dict):
+            return 'is not the run\'s header ({"kind": "run", "fingerprint": {...}})'
+        return None
+    before = None if previous is None else previous.get("kind")
+    if kind == "baseline":
+        return "is a second baseline" if before != "run" else _state_problem(record)
+    if kind == "step":
+        position, expected = record.get("position"), previous.get("position", 0) + 1 if before == "step" else 1
+        if before not in ("baseline", "step"):
+            return "is a step after the final confirmation" if before == "final" else "is a step before the baseline"
+        if not isinstance(position, int) or isinstance(position, bool) or position != expected:
+            return f"is a step with position {position!r}, expected {expected}"
+        return _state_problem(record)
+    if kind == "final":
+        if before not in ("baseline", "step", "final"):
+            return "is a final confirmation before the baseline"
+        return None if isinstance(record.get("final"), dict) else "is a final record without its 'final' object"
+    return f"has kind {kind!r}, expected one of ['baseline', 'step', 'final'] after the header"
+
+
+def _state_problem(record: dict[str, Any]) -> str | None:
+    """A baseline or step record's step and state, read back as resuming reads them."""
+    state = record.get("state") if isinstance(record.get("state"), dict) else {}
+    parts: list[tuple[str, Any]] = [
+        ("step", lambda: Step.from_dict(record["step"])),
+        ("state", lambda: (record["state"]["quality"], record["state"]["weight_mb"])),
+        ("state.plan", lambda: Plan.from_dict(state["plan"])),
+        ("state.current", lambda: measurement_from_dict(state["current"])),
+    ]
+    if record["kind"] == "baseline":
+        parts.append(("baseline", lambda: (record["calibration"], record["reference_outputs"])))
+    for where, read in parts:
+        try:
+            read()
+        except KeyError as e:
+            return f"({record['kind']}) has no {e.args[0]!r}" + ("" if where in ("step", "baseline") and e.args[0] == where else f" in its {where}")
+        except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong shape (RecipeError is a ValueError)
+            return f"({record['kind']}): its {where} does not read back: {type(e).__name__}: {str(e)[:120]}"
+    return None
+
+
+def _json_type(value: Any) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 # --------------------------------------------------------------------------- measurements

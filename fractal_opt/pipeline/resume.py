@@ -3,6 +3,10 @@ appended to ``journal.jsonl`` (:mod:`.journal`), and a resumed run restored from
 
 :class:`Resumable` is the part of :class:`.runner.Pipeline` that reads and writes the journal; it
 works on the pipeline's own state (the attributes annotated below), which the pipeline sets up.
+
+A finished run's journal ends with its final confirmation, so resuming it measures nothing: the
+steps and the confirmation come back from the journal and the run ends at once with the same
+result (``reconfirm`` measures the confirmation again, appending a new ``final`` record).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class Resumable:
     _journal: Journal | None
     _journaled_baseline: dict[str, Any] | None
     _replay: dict[int, dict[str, Any]]
+    _journaled_final: dict[str, Any] | None = None  # the last final confirmation the journal holds (resuming)
+    reconfirm: bool = False  # resuming a finished run: measure its final confirmation again (run --reconfirm)
 
     # What the pipeline provides (runner.Pipeline defines these).
     def _save(self) -> None:
@@ -72,8 +78,15 @@ class Resumable:
         assert self.out_dir is not None
         if self.resume and self.force:
             raise RecipeError("resume and force exclude each other: --resume continues the run in the folder, --force starts a new one over it.")
-        check_writable(self.out_dir)
-        held = [name for name in (JOURNAL, *OUTPUTS) if (self.out_dir / name).exists()]
+        try:
+            check_writable(self.out_dir)
+            held = [name for name in (JOURNAL, *OUTPUTS) if (self.out_dir / name).exists()]
+            folders = [name for name in held if not (self.out_dir / name).is_file()]
+        except OSError as e:  # a path the OS refuses (too long a name, a loop of links)
+            raise RecipeError(f"--out {str(self.out_dir)[:80]!r}: cannot be used as a folder: {e.strerror or e}. Give another --out.") from None
+        if folders:  # a run's files are files: a folder in their place cannot be replaced or read
+            raise ResumeError(f"--out {str(self.out_dir)!r}: {', '.join(folders)} there {'is a folder' if len(folders) == 1 else 'are folders'}, "
+                              "where a run keeps a file. Remove or rename it, or give another --out. Nothing was changed.")
         if not held or self.force:
             return
         if not self.resume:
@@ -92,8 +105,9 @@ class Resumable:
         journal = Journal(self.out_dir)
         fp = fingerprint(self.recipe, machine)
         if self.resume and journal.exists():
-            records = journal.resume(fp)  # ResumeError when the inputs changed: nothing written yet
+            records = journal.resume(fp)  # ResumeError when a line is malformed or the inputs changed: nothing written yet
             self._journaled_baseline = next((r for r in records if r.get("kind") == "baseline"), None)
+            self._journaled_final = next((r for r in reversed(records) if r.get("kind") == "final"), None)
             if self._journaled_baseline is not None:
                 self._replay = {r["position"]: r for r in records if r.get("kind") == "step"}
                 done = f"{len(self._replay)} finished step{'' if len(self._replay) == 1 else 's'}"
@@ -183,6 +197,21 @@ class Resumable:
         if self._replay.pop(position, None) is not None or self._journal is None:
             return
         self._journal.append({"kind": "step", "position": position, "outcome": outcome, "step": step.to_dict(), "state": self._state_record()})
+
+    def _restore_final(self) -> bool:
+        """Resuming a finished run: its final confirmation from the journal (False when there is
+        none, when a step was measured in this run, or when ``reconfirm`` asks for a new one)."""
+        record = self._journaled_final
+        if record is None or self.reconfirm or any(not s.timings.get("from_journal") for s in self._trace.steps):
+            return False
+        self._trace.final.update(record["final"])
+        self.progress("final: the confirmation from the journal (measured by the earlier run; --reconfirm measures it again)")
+        return True
+
+    def _journal_final(self) -> None:
+        """Append the final confirmation just measured, so a resume of this finished run measures nothing."""
+        if self._journal is not None and "error" not in (self._trace.final.get("confirmation") or {}):  # a failed one is tried again on resume
+            self._journal.append({"kind": "final", "final": self._trace.final})
 
     def _state_record(self) -> dict[str, Any]:
         """What the runner goes on from after a step: the kept plan, its latest measurement

@@ -466,6 +466,8 @@ class Pipeline(Resumable):
         if not kept or confirm.same_plan(self._plan, base):
             self._trace.final.update(confirm.unchanged())
             return
+        if self._restore_final():  # resuming a finished run: the journal's confirmation, nothing measured
+            return
         objectives = [self.recipe.policy.objective_for(Layer.from_name(s.layer)) for s in kept]
         self.progress("final: measuring the final plan against the baseline again, interleaved")
         try:
@@ -475,6 +477,7 @@ class Pipeline(Resumable):
             fields = confirm.failed(e)
             self.progress(f"final: the confirmation failed ({fields['confirmation']['error'][:120]})")
         self._trace.final.update(fields)
+        self._journal_final()
 
     def _save(self) -> None:
         if self.out_dir is None:

@@ -67,6 +67,7 @@ def _wait(condition, proc, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.integration
 def test_killed_runs_resume_to_every_step_exactly_once(tmp_path):
     """SIGKILL at random points after the baseline, resume, again: every step is in the trace
     once, in order, and each step the journal held comes back with the journal's numbers."""
@@ -194,17 +195,130 @@ def test_resume_and_force_exclude_each_other(journaled_run):
     assert code == 2
 
 
-def test_a_torn_last_line_is_dropped(tmp_path):
-    """A kill in the middle of an append leaves half a line: reading stops before it, resuming rewrites the journal without it."""
-    journal = Journal(tmp_path)
-    journal.start({"x": 1})
-    journal.append({"kind": "step", "position": 1})
+def test_a_torn_last_line_is_dropped(finished_run):
+    """A kill in the middle of an append leaves half a line: reading stops before it, resuming cuts
+    exactly those bytes off (every whole record stays byte for byte) and the next append starts on a line of its own."""
+    _, out = finished_run
+    journal = Journal(out)
+    whole = journal.path.read_bytes()
     with journal.path.open("a", encoding="utf-8") as f:
         f.write('{"kind": "step", "posi')
-    assert [r["kind"] for r in journal.read()] == ["run", "step"]
-    assert journal.resume({"x": 1}) == [{"kind": "step", "position": 1}]
-    journal.append({"kind": "step", "position": 2})
-    assert [r.get("position") for r in journal.read()] == [None, 1, 2]
+    assert [r["kind"] for r in journal.read()] == ["run", "baseline", "step", "step", "step", "step", "final"]
+    header = journal.read()[0]["fingerprint"]
+    assert [r["kind"] for r in journal.resume(header)] == ["baseline", "step", "step", "step", "step", "final"]
+    assert journal.path.read_bytes() == whole
+    journal.append({"kind": "final", "final": {"status": "again"}})
+    assert journal.read()[-1] == {"kind": "final", "final": {"status": "again"}}
+
+
+def _fake_pipeline(recipe: dict, out: Path, *, resume: bool = False, force: bool = False, build=None):
+    """The run _child makes, in this process (finished_run makes the load reading quick)."""
+    from fractal_opt.pipeline.runner import Pipeline
+    from fractal_opt.testing import FakeEngine, cpu_machine
+
+    build = build or FakeEngine.factory(speed={"hardware.dtype": {"bfloat16": 2.0}, "model.kv_cache": {"off": 0.5}}, per_token_ms=2.0)
+    return Pipeline(recipe, out_dir=out, progress=False, machine=cpu_machine(), build=build, limits=LIMITS, resume=resume, force=force)
+
+
+def _no_build(plan, **kwargs):
+    raise AssertionError(f"resuming measured again: it built {plan.applied}")
+
+
+@pytest.fixture
+def finished_run(tmp_path, monkeypatch):
+    """A finished run's folder (on the fake engine): its journal is a header, the baseline, four steps and the final confirmation."""
+    from fractal_opt.measure import busy
+    from fractal_opt.pipeline import step_measurement
+
+    monkeypatch.setattr(step_measurement, "snapshot", lambda: busy.snapshot(0.01))  # the load reading waits 1 s by default
+    recipe = recipe_for(fake_model(tmp_path / "model"))
+    out = tmp_path / "out"
+    _fake_pipeline(recipe, out).run()
+    return recipe, out
+
+
+def test_resuming_a_finished_run_measures_nothing_and_gives_the_same_result(finished_run):
+    """--resume on a finished run: the steps and the final confirmation come from the journal, no
+    engine is built, the result is the same and trace.json says finished; --reconfirm measures the
+    confirmation again and journals it as a new record."""
+    recipe, out = finished_run
+    records = _records(out)
+    assert records[-1]["kind"] == "final" and records[-1]["final"]["status"] != "provisional"
+    before = json.loads((out / "trace.json").read_text())
+    result = _fake_pipeline(recipe, out, resume=True, build=_no_build).run()
+    after = json.loads((out / "trace.json").read_text())
+    assert after["finished"] is True and result.trace.final == before["final"] == after["final"]
+    assert len(_records(out)) == len(records), "resuming a finished run appended records"
+    again = _fake_pipeline(recipe, out, resume=True)
+    again.reconfirm = True
+    again.run()
+    assert [r["kind"] for r in _records(out)][-2:] == ["final", "final"]
+
+
+def _corrupt(out: Path, line: int, text: str) -> bytes:
+    lines = (out / JOURNAL).read_bytes().split(b"\n")
+    lines[line - 1] = text.encode()
+    (out / JOURNAL).write_bytes(b"\n".join(lines))
+    return (out / JOURNAL).read_bytes()
+
+
+def _first_step(out: Path) -> dict:
+    return next(r for r in _records(out) if r["kind"] == "step")
+
+
+CORRUPTIONS = {  # name -> (line, the line's new text from the run's own records, a substring of the refusal)
+    "header-fingerprint-null": (1, lambda out: json.dumps({"kind": "run", "fingerprint": None}), "not the run's header"),
+    "header-a-list": (1, lambda out: "[1, 2]", "is a JSON list"),
+    "step-a-list": (3, lambda out: "[]", "is a JSON list"),
+    "step-without-position": (3, lambda out: json.dumps({k: v for k, v in _first_step(out).items() if k != "position"}), "position None, expected 1"),
+    "step-out-of-order": (3, lambda out: json.dumps({**_first_step(out), "position": 3}), "position 3, expected 1"),
+    "step-state-cut": (3, lambda out: json.dumps({**_first_step(out), "state": {**_first_step(out)["state"], "plan": {}}}), "has no 'source' in its state.plan"),
+    "baseline-without-step": (2, lambda out: json.dumps({k: v for k, v in _records(out)[1].items() if k != "step"}), "has no 'step'"),
+    "zeroed-middle-line": (4, lambda out: "\0" * 300, "is not valid JSON"),
+    "nested-100k-deep": (5, lambda out: "[" * 100_000 + "]" * 100_000, "is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_a_malformed_journal_line_refuses_to_resume_naming_it(finished_run, name, capsys, monkeypatch):
+    """Every malformed record (a null fingerprint, a list, a step without position or out of order,
+    a baseline without its step, a zeroed middle line, 100,000-deep nesting): exit 2 naming the line,
+    nothing measured, and the journal left byte for byte (the valid records after it are kept)."""
+    import fractal_opt.runtimes
+
+    recipe, out = finished_run
+    line, text, expected = CORRUPTIONS[name]
+    journal = _corrupt(out, line, text(out))
+    (out / "recipe-in.yaml").write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    monkeypatch.setattr(fractal_opt.runtimes, "build", _no_build)
+    assert main(["run", str(out / "recipe-in.yaml"), "--out", str(out), "--resume", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"{JOURNAL} line {line} " in err and expected in err and "Traceback" not in err, err
+    assert (out / JOURNAL).read_bytes() == journal
+
+
+@pytest.mark.parametrize("name", [JOURNAL, "trace.json"])
+def test_a_run_file_that_is_a_folder_is_refused(tmp_path, name, capsys):
+    """journal.jsonl or trace.json being a folder: exit 2 naming it, with --resume and --force alike."""
+    recipe = recipe_for(fake_model(tmp_path / "model"))
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    out = tmp_path / "out"
+    (out / name).mkdir(parents=True)
+    for flag in ("--resume", "--force"):
+        assert main(["run", str(recipe_path), "--out", str(out), flag, "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert f"{name} there is a folder" in err and "Traceback" not in err, err
+
+
+def test_an_empty_out_is_refused(journaled_run, tmp_path, monkeypatch, capsys):
+    """`run --out ""` would write into the current folder: exit 2, nothing written there."""
+    recipe_path, _, _ = journaled_run
+    monkeypatch.chdir(tmp_path / "out")
+    before = _snapshot(tmp_path / "out")
+    assert main(["run", str(recipe_path), "--out", "", "--quiet"]) == 2
+    assert "--out: got ''" in capsys.readouterr().err
+    assert _snapshot(tmp_path / "out") == before
 
 
 def test_differences_name_each_changed_field():
