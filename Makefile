@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_SPEC ?= torch==2.13.0
 OUT ?= fractal-out
 
-.PHONY: setup setup-vllm setup-llama-native demo test clean
+.PHONY: setup setup-vllm setup-llama-native demo test test-unit clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,6 +40,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The unit part: what runs in under 2 minutes on 2 cores (tests/README.md says what is integration).
+test-unit: setup
+	$(PY) -m pytest -q -m "not integration"
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache

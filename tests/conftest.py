@@ -47,6 +47,21 @@ def _single_thread_torch():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _short_load_reading():
+    """Every run reads the machine's load for 0.05 s instead of 1 s (busy.snapshot's default).
+
+    The reading only words the report's busy warning; at 1 s it was about a third of a fake-engine
+    run's time. tests/measure/test_busy.py, which tests that reading, puts the real one back.
+    """
+    from fractal_opt.measure import busy
+    from fractal_opt.pipeline import step_measurement
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_measurement, "snapshot", lambda: busy.snapshot(0.05))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """A random-weight Llama folder (4 layers, hidden 256) with a chat-template tokenizer."""

@@ -26,6 +26,7 @@ def test_tutorial_is_stored_without_outputs():
     assert all(not c.outputs and c.execution_count is None for c in code)
 
 
+@pytest.mark.integration  # runs the notebook in a kernel on the tiny model: ~21 s
 def test_tutorial_runs(tmp_path):
     """Every cell runs without error; the report renders in the notebook and the tuned engine generates."""
     nb = nbformat.read(NOTEBOOK, as_version=4)

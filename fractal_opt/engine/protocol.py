@@ -181,6 +181,16 @@ class Engine(abc.ABC):
         probed = self.machine.torch_threads if self.machine is not None else None
         return max(1, probed or os.cpu_count() or 1)
 
+    def health(self) -> str | None:
+        """Why this engine cannot serve a request now (closed, a child server gone or restarting),
+        or None when it can; ``fractal-opt serve``'s /health answers 503 with it.
+
+        Raises:
+            EngineError: it never will again (a child server that could not be restarted): a
+                server process should exit, for its supervisor to start a fresh one.
+        """
+        return "the engine is closed" if self.closed else None
+
     def server_pids(self) -> list[int]:
         """Processes that serve this engine's requests besides this one (a child server): their
         peak memory and CPU time count in the measurement. Empty by default (in-process runtimes)."""

@@ -178,7 +178,7 @@ def test_wait_quiet_runs_before_the_calibration(monkeypatch):
     assert calls == [30]
 
 
-def test_calibration_next_to_a_cpu_burner_warns_in_the_report(tmp_path, mixed_suite):
+def test_calibration_next_to_a_cpu_burner_warns_in_the_report(tmp_path, mixed_suite, monkeypatch):
     """The issue's check: a run whose calibration shares the CPU with spinning processes says in
     report.md that the machine was busy, with the load and the processes seen at the start.
 
@@ -186,9 +186,11 @@ def test_calibration_next_to_a_cpu_burner_warns_in_the_report(tmp_path, mixed_su
     A/A band as they would a model's; with min_effect 0.1% the 2-round band cannot resolve it
     (1% was too coarse: the scheduler can share the cores so evenly that one clean-clone CI run
     read a 0.28% band next to the burners)."""
+    from fractal_opt.pipeline import step_measurement
     from fractal_opt.pipeline.runner import Pipeline
     from fractal_opt.recipe import parse_recipe
 
+    monkeypatch.setattr(step_measurement, "snapshot", snapshot)  # the real 1 s reading (conftest shortens it for every other run)
     data = small_recipe_dict("fake", policy={"min_effect": 0.001}, suite=str(mixed_suite), max_new_tokens=16, repeats=2, max_repeats=3)
     recipe = parse_recipe(data, where="test", check_model=False)  # the fake engine loads no model
 
@@ -227,7 +229,18 @@ def test_run_command_passes_wait_quiet_and_prints_the_warning(monkeypatch, capsy
     seen = {}
     calibration = {"resolves": False, "resolution": {"decode_tokens_per_s": 0.7}, "rounds": 6, "min_effect": 0.05, "busy": {"busy": True, "text": "load 5"}}
     trace = types.SimpleNamespace(to_text=lambda: "table", final={}, calibration=calibration)
-    monkeypatch.setattr(runner, "optimize", lambda recipe, **kw: seen.update(kw) or types.SimpleNamespace(trace=trace))
+
+    class Recorded:
+        """Stands in for the Pipeline the command builds: records its arguments, runs nothing."""
+
+        def __init__(self, recipe, **kw):
+            seen.update(kw)
+
+        def run(self):
+            return types.SimpleNamespace(trace=trace)
+
+    monkeypatch.setattr(runner, "Pipeline", Recorded)
+    monkeypatch.setattr(runner, "optimize", lambda recipe, **kw: Recorded(recipe, **kw).run())
     parser = argparse.ArgumentParser()
     run_cli.add(parser.add_subparsers())
     recipe = tmp_path / "r.yaml"

@@ -66,6 +66,7 @@ def _tensor_mb() -> float:
     return sum(o.numel() * o.element_size() for o in gc.get_objects() if isinstance(o, torch.Tensor)) / 2**20
 
 
+@pytest.mark.integration  # a server on the tiny model under load: 6-7 s a case
 @pytest.mark.parametrize("mode,size,n", [("continuous", 1, 200), ("static", 8, 32)])
 def test_under_load_every_request_ends_exactly_once_and_memory_returns(tiny_dir, mode, size, n):
     """Hundreds of requests with random lengths, cancellations and timeouts: each ends once, none is

@@ -217,6 +217,7 @@ def test_measure_pair_extends_rounds_until_settled(tiny_dir, monkeypatch):
     assert len(b.repeats) == 1
 
 
+@pytest.mark.integration  # a whole pipeline on the tiny model: ~7 s a case
 @pytest.mark.parametrize(("memory_bytes", "mode"), [(16 * 2**30, "interleaved"), (15 * 10**6, "back_to_back")])
 def test_pipeline_records_comparison_intervals_and_roofline(tiny_dir, small_recipe, machine, tmp_path, memory_bytes, mode):
     """Each step stores how it was compared (interleaved when both plans fit, else back to back with a note),

@@ -77,6 +77,7 @@ def planted(fake_model, tmp_path_factory):
     return _run(_bf16_recipe(fake_model), out, speed={"hardware.dtype": {"bfloat16": PLANTED}}), out
 
 
+@pytest.mark.integration  # jittery rounds until the interval settles: 7-12 s
 def test_a_planted_ten_percent_speed_up_is_confirmed_with_an_interval_that_excludes_zero(planted):
     """bfloat16 is 10% faster on the jittery fake: the step keeps it, and measuring the final plan
     against the baseline again finds about +10% decode, its 95% interval above zero."""
@@ -93,6 +94,7 @@ def test_a_planted_ten_percent_speed_up_is_confirmed_with_an_interval_that_exclu
     assert final["confirmation"]["mode"] == "interleaved" and final["confirmation"]["rounds"] >= 4
 
 
+@pytest.mark.integration  # jittery rounds until the interval settles: 7-12 s
 def test_final_vs_baseline_is_printed_from_the_confirmation_only(planted):
     """report.md and the terminal lines quote the confirmation's paired estimate and interval, and
     trace.json holds it (strict JSON: no NaN)."""
@@ -125,6 +127,7 @@ def test_identical_plans_give_no_change_and_no_deltas(fake_model, tmp_path):
     assert [p.hardware.dtype for p in builds] == ["float32", "bfloat16", "float32"]
 
 
+@pytest.mark.integration  # jittery rounds until the interval settles: 7-12 s
 def test_plans_that_do_not_fit_together_are_confirmed_one_after_the_other(tmp_path):
     """On a machine too small for two copies of the model (a Llama config's weights against 16 MB),
     the confirmation measures baseline and final plan back to back, and says so."""

@@ -194,6 +194,7 @@ def _step(fault_run, position: int):
     return result.trace.steps[position - 1]
 
 
+@pytest.mark.integration  # the fault run waits out two 6 s step timeouts: ~20 s
 def test_a_check_that_raises_is_a_failed_step(fault_run):
     """A pass whose check raises is a failed step naming the stage and the exception, with the traceback kept."""
     step = _step(fault_run, 1)
@@ -201,24 +202,28 @@ def test_a_check_that_raises_is_a_failed_step(fault_run):
     assert "check broke" in step.timings["traceback"]
 
 
+@pytest.mark.integration  # the fault run waits out two 6 s step timeouts: ~20 s
 def test_an_apply_that_raises_is_a_failed_step(fault_run):
     """A pass whose apply raises is a failed step naming the stage and the exception."""
     step = _step(fault_run, 2)
     assert (step.status, step.reason) == ("failed", "apply: KeyError: 'apply broke'")
 
 
+@pytest.mark.integration  # the fault run waits out two 6 s step timeouts: ~20 s
 def test_a_failed_build_is_a_failed_step(fault_run):
     """A build that raises (simulated out of memory) is a failed step naming the stage and the message."""
     step = _step(fault_run, 3)
     assert (step.status, step.reason) == ("failed", "build: RuntimeError: simulated out of memory while loading")
 
 
+@pytest.mark.integration  # the fault run waits out two 6 s step timeouts: ~20 s
 def test_a_failed_measurement_is_a_failed_step(fault_run):
     """Serving that raises during measurement is a failed step naming the stage and the message."""
     step = _step(fault_run, 4)
     assert (step.status, step.reason) == ("failed", "measure: RuntimeError: simulated CUDA error while decoding")
 
 
+@pytest.mark.integration  # the fault run waits out two 6 s step timeouts: ~20 s
 def test_a_hung_step_ends_at_its_timeout(fault_run):
     """The fake engine hangs for 120 s; the step ends as failed at timeout_s and the run goes on."""
     step = _step(fault_run, 5)
@@ -227,6 +232,7 @@ def test_a_hung_step_ends_at_its_timeout(fault_run):
     assert seconds < 100, "the hang was waited out instead of cut at the timeout"
 
 
+@pytest.mark.integration  # the fault run waits out two 6 s step timeouts: ~20 s
 def test_a_step_blocked_in_native_code_is_abandoned_and_the_run_goes_on(fault_run):
     """A wait that StepTimeout cannot interrupt: the step is failed after the grace period, its
     worker left running, and the next steps run on the plan as it was before it."""
@@ -236,24 +242,28 @@ def test_a_step_blocked_in_native_code_is_abandoned_and_the_run_goes_on(fault_ru
     assert _step(fault_run, 7).plan["hardware"]["threads"] is None, "the abandoned step's plan leaked into the next one"
 
 
+@pytest.mark.integration  # the fault run waits out two 6 s step timeouts: ~20 s
 def test_a_nan_quality_number_is_not_kept(fault_run):
     """float16 overflows to NaN log-probabilities, so KL is NaN; the guard that watches it trips (policy: not finite)."""
     step = _step(fault_run, 7)
     assert step.status == "rolled_back" and "not finite" in step.reason, step.reason
 
 
+@pytest.mark.integration  # the fault run waits out two 6 s step timeouts: ~20 s
 def test_a_probe_that_calls_sys_exit_is_a_failed_step(fault_run):
     """A custom quality probe calling sys.exit is a failed step, not the end of the run."""
     step = _step(fault_run, 8)
     assert (step.status, step.reason) == ("failed", "quality: RuntimeError: custom probe 'steady' called sys.exit(3)")
 
 
+@pytest.mark.integration  # the fault run waits out two 6 s step timeouts: ~20 s
 def test_a_judge_that_raises_is_a_failed_step(fault_run):
     """A policy whose judge raises is a failed step naming the stage and the exception."""
     step = _step(fault_run, 9)
     assert (step.status, step.reason) == ("failed", "judge: ZeroDivisionError: judge broke")
 
 
+@pytest.mark.integration  # the fault run waits out two 6 s step timeouts: ~20 s
 def test_the_run_goes_on_after_every_fault(fault_run):
     """The healthy pass after the faults is measured and kept, on the plan the faults left alone."""
     result, trace, _ = fault_run

@@ -12,6 +12,9 @@ from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.pipeline.runner import Pipeline
 from fractal_opt.testing import FakeEngine, cpu_machine
 
+# The search measures 11 levels at 40 ms a token, one module-wide run: ~14 s on 2 cores.
+pytestmark = pytest.mark.integration
+
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
 KNEE = 12  # the highest concurrency whose TTFT (c ms) meets the 12.5 ms SLO
 LEVELS = range(1, 65)

@@ -66,6 +66,7 @@ def _own_answers_eval_set(tiny_dir, path, *, tokens: int) -> None:
     path.write_text(yaml.safe_dump({"name": "own", "items": items}), encoding="utf-8")
 
 
+@pytest.mark.integration
 def test_a_cap_that_truncates_needed_answers_is_rolled_back_on_accuracy(lively_dir, small_recipe, tmp_path):
     """max_new_tokens cuts answers the eval set needs: accuracy drops and the max_drop guard rolls it back."""
     eval_path = tmp_path / "own.yaml"

@@ -47,6 +47,7 @@ def continuous() -> LlamaCppEngine:
     return LlamaCppEngine.build(plan, progress=lambda _: None, max_new_tokens=12)
 
 
+@pytest.mark.integration  # serves the embedded SmolLM2 GGUF
 def test_generate_and_stream_give_the_same_greedy_text(engine: LlamaCppEngine) -> None:
     """Greedy generate() and stream() answer one prompt with the same non-empty text."""
     text = engine.generate("What is the capital of France?")
@@ -55,6 +56,7 @@ def test_generate_and_stream_give_the_same_greedy_text(engine: LlamaCppEngine) -
     assert "".join(pieces) == text
 
 
+@pytest.mark.integration  # serves the embedded SmolLM2 GGUF
 def test_serve_times_every_token_in_order(engine: LlamaCppEngine) -> None:
     """serve() gives each request its prompt size, one id and one monotone clock reading per token."""
     requests = Workload(suite="default", max_new_tokens=12).requests()[:2]
@@ -67,6 +69,7 @@ def test_serve_times_every_token_in_order(engine: LlamaCppEngine) -> None:
         assert g.hit_cap == (len(g.token_ids) == 12)
 
 
+@pytest.mark.integration  # serves the embedded SmolLM2 GGUF
 def test_server_ends_each_of_eight_concurrent_tickets_once(continuous: LlamaCppEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eight requests submitted from eight threads each end exactly once, done, with their tokens."""
     ends: Counter[str] = Counter()
@@ -95,6 +98,7 @@ def test_server_ends_each_of_eight_concurrent_tickets_once(continuous: LlamaCppE
     assert all(r.text and r.prompt_tokens > 0 and len(r.token_times) == len(r.token_ids) for r in results)
 
 
+@pytest.mark.integration  # serves the embedded SmolLM2 GGUF
 def test_cancel_stops_a_running_request_and_frees_its_slot(continuous: LlamaCppEngine) -> None:
     """A cancelled ticket stops before its budget, and the server has nothing live afterwards."""
     with continuous.server(ignore_eos=True) as server:
@@ -107,6 +111,7 @@ def test_cancel_stops_a_running_request_and_frees_its_slot(continuous: LlamaCppE
         assert after.text and server.live() == 0
 
 
+@pytest.mark.integration  # serves the embedded SmolLM2 GGUF
 def test_timeout_ends_a_ticket(continuous: LlamaCppEngine) -> None:
     """A ticket past its deadline ends with status timeout, not done."""
     with continuous.server(ignore_eos=True) as server:
@@ -117,6 +122,7 @@ def test_timeout_ends_a_ticket(continuous: LlamaCppEngine) -> None:
         assert ticket.status == "timeout" and len(ticket.token_ids) < 200
 
 
+@pytest.mark.integration  # serves the embedded SmolLM2 GGUF
 def test_prompt_over_the_context_cap_is_rejected(continuous: LlamaCppEngine) -> None:
     """A prompt longer than the plan's context cap is rejected with the cap in the message."""
     with continuous.server() as server:
@@ -126,6 +132,7 @@ def test_prompt_over_the_context_cap_is_rejected(continuous: LlamaCppEngine) -> 
         assert ticket.status == "rejected"
 
 
+@pytest.mark.integration  # serves the embedded SmolLM2 GGUF
 def test_decoding_fields_reuse_the_loaded_model_and_stop_cuts_the_text(engine: LlamaCppEngine) -> None:
     """A plan that changes only stops reuses the loaded llama.cpp server, and the stop string ends the text."""
     plan = _plan(application=ApplicationPlan(stop=(" ",)))
@@ -148,6 +155,7 @@ def test_quantized_kv_cache_maps_to_q8_0() -> None:
     assert engine.generate("Say hi.")
 
 
+@pytest.mark.integration  # serves the embedded SmolLM2 GGUF
 def test_census_counts_the_gguf_tensors(engine: LlamaCppEngine) -> None:
     """census() reports the GGUF's tensor bytes (most of the file) and its quantized layers."""
     from fractal_opt.models import resolve
@@ -158,6 +166,7 @@ def test_census_counts_the_gguf_tensors(engine: LlamaCppEngine) -> None:
     assert census["quantized_linear_layers"] > 0 and "Q4_1" in census["weight_types"]
 
 
+@pytest.mark.integration  # serves the embedded SmolLM2 GGUF
 def test_no_full_distributions_but_teacher_forced_top_k(engine: LlamaCppEngine) -> None:
     """next_token_logprobs refuses and names top_logprobs, which gives k log-probs per position."""
     with pytest.raises(NotImplementedError, match="top_logprobs"):

@@ -96,6 +96,7 @@ def test_llama_server_export_passes_the_sizes():
     assert "--batch-size" not in export(_llama(), "llama-server").command
 
 
+@pytest.mark.integration  # serves the embedded SmolLM2 GGUF
 def test_a_load_with_small_batches_serves_a_prompt_longer_than_n_batch():
     """The embedded GGUF loads with n_batch=256 / n_ubatch=128 and answers a ~300-token prompt (several decode calls)."""
     pytest.importorskip("xllamacpp", reason="xllamacpp is not installed (pip install xllamacpp)")

@@ -47,6 +47,7 @@ def _tensors(path):
     return reader, {t.name: t for t in reader.tensors}
 
 
+@pytest.mark.integration  # requantizes the embedded SmolLM2 GGUF: 5-14 s
 def test_requantize_writes_q4_0_blocks_keeps_head_norms_and_metadata(embedded, cache):
     """Every Q4_1 tensor becomes Q4_0 with values within one 4-bit step of the source's; the Q8_0
     head and the F32 norms keep their bytes; every metadata field but file_type is copied; a
@@ -84,6 +85,7 @@ def test_requantize_writes_q4_0_blocks_keeps_head_norms_and_metadata(embedded, c
     assert requantize(embedded, "q4_0", progress=said.append) == out and not said and out.stat().st_mtime_ns == mtime
 
 
+@pytest.mark.integration  # requantizes the embedded SmolLM2 GGUF: 5-14 s
 def test_requantize_head_too_when_asked(embedded, cache):
     """keep_head=False (skip: []) re-quantizes the tied embedding / head as well, into its own cache entry."""
     from gguf import GGMLQuantizationType as Q
@@ -126,6 +128,7 @@ def test_llama_cpp_serves_a_gguf_plan_and_the_other_runtimes_refuse_it():
     assert "model.weight_bits=4 (quant_backend='gguf'" in (refuse(q4.replace_section("hardware", runtime="vllm", threads="auto")) or "")
 
 
+@pytest.mark.integration  # requantizes the embedded SmolLM2 GGUF: 5-14 s
 def test_the_engine_loads_the_requantized_copy(embedded, cache):
     """A q4_0 plan builds on the converted file (the census counts Q4_0 bytes, fewer than the source's Q4_1) and answers."""
     pytest.importorskip("xllamacpp", reason="xllamacpp is not installed (pip install xllamacpp)")
@@ -144,6 +147,7 @@ def test_the_engine_loads_the_requantized_copy(embedded, cache):
         clear_cache()
 
 
+@pytest.mark.integration  # requantizes the embedded SmolLM2 GGUF: 5-14 s
 def test_llama_server_export_loads_the_requantized_file(embedded, cache):
     """The llama-server command of a q4_0 plan names the converted file, so the weights carry over;
     a model that is not a local GGUF gets the command to make the file on the target instead."""

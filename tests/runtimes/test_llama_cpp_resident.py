@@ -84,6 +84,7 @@ def test_measure_pair_activates_each_engine_before_its_warm_up_and_every_round(m
     assert before.extra["activate_s"] == pytest.approx(0.75) and after.extra["activate_s"] == pytest.approx(0.75)
 
 
+@pytest.mark.integration  # serves the embedded SmolLM2 GGUF twice
 def test_a_real_engine_serves_again_after_another_plans_server_was_resident() -> None:
     """Two llama.cpp plans used in turn: each reloads its server and answers the same greedy text."""
     pytest.importorskip("xllamacpp", reason="xllamacpp is not installed (pip install xllamacpp)")

@@ -30,6 +30,7 @@ from fractal_opt.plan import Plan
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytestmark = pytest.mark.integration  # every test starts `fractal-opt serve` as a subprocess
 
 KEY = "test-key"
 IN_FLIGHT = 4

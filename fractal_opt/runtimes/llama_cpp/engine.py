@@ -47,6 +47,7 @@ from ...plan import Plan
 from ...serving.sampling import Decoding
 from ...workload import Request
 from .census import eos_token_id, gguf_census
+from .process import LlamaServerProcess
 from .requantize import model_file
 from .settings import ServerSettings, common_params, refusals, request_body, server_settings
 
@@ -167,6 +168,13 @@ class LlamaCppEngine(Engine):
             return []
         return [self.model.server().pid]
 
+    def health(self) -> str | None:
+        """Closed, or the llama-server child restarting or not answering (raises once it cannot be
+        restarted: :meth:`.process.LlamaServerProcess.health`); xllamacpp in this process serves while open."""
+        if self.model is None:
+            return "the engine is closed"
+        return self.model.health() if isinstance(self.model, _Resident) else None
+
     def census(self) -> dict[str, Any]:
         """Weights by GGUF storage type, quantized linear layers, and the KV cache llama.cpp allocated."""
         return gguf_census(self.settings, context_cap=self.plan.model.context_cap)
@@ -229,11 +237,13 @@ class LlamaCppEngine(Engine):
         return LlamaServer(self, seed=seed, ignore_eos=ignore_eos)
 
     def complete(self, request: Request, *, budget: int, seed: int = 0, ignore_eos: bool = False, on_tokens: OnTokens | None = None,
-                 decoding: Decoding | None = None) -> Answer:
+                 decoding: Decoding | None = None, stop: Sequence[str] = ()) -> Answer:
         """Run one chat request to its end on the calling thread (llama.cpp picks a free slot).
 
         ``decoding``: the request's own sampling (``Server.decoding(ticket)``) instead of the
-        plan's; llama.cpp takes sampling with every request, so nothing else changes.
+        plan's; llama.cpp takes sampling with every request, so nothing else changes. ``stop``: the
+        request's own stop sequences, on top of the plan's: llama.cpp ends the answer there itself,
+        so it still reports the request's usage (a request cut from outside never gets it).
 
         ``on_tokens(ids, times, text)`` is called as tokens arrive; returning True stops the
         request. A chunk normally holds one token; llama.cpp holds back a token that ends inside
@@ -249,6 +259,8 @@ class LlamaCppEngine(Engine):
         body = request_body(self.plan, request.as_messages(), budget=budget, seed=seed, ignore_eos=ignore_eos)
         if decoding is not None:
             body.update(_sampling_fields(decoding, seed))
+        if stop:
+            body["stop"] = [*body.get("stop", ()), *stop]
         answer = Answer(t_start=time.perf_counter())
         pieces: list[str] = []
         error: list[dict[str, Any]] = []
@@ -263,7 +275,7 @@ class LlamaCppEngine(Engine):
                 answer.prompt_tokens = int(chunk["usage"].get("prompt_tokens", 0))
             if "timings" in chunk:
                 answer.timings = chunk["timings"]
-                if self._ended_on_eos(answer):
+                if not stop and self._ended_on_eos(answer):
                     # llama.cpp decodes the end-of-sequence token but does not stream it; the
                     # transformers runtime counts it as generated work, so it is counted here too,
                     # at the moment llama.cpp reported the end.
@@ -401,6 +413,14 @@ class _Resident:
             _SERVERS[self.settings] = (server, self.weights_key)
             self.loads += 1
             return server, time.perf_counter() - start
+
+    def health(self) -> str | None:
+        """The resident llama-server child's health (None for xllamacpp, or a server not resident:
+        it is loaded on the next request)."""
+        with _SERVERS_LOCK:
+            entry = _SERVERS.get(self.settings)
+        server = entry[0] if entry is not None else None
+        return server.health() if isinstance(server, LlamaServerProcess) else None
 
     def handle_chat_completions(self, body: dict[str, Any], callback: Callable[[dict[str, Any]], bool]) -> Any:
         return self.server().handle_chat_completions(body, callback)

@@ -12,6 +12,12 @@ reloads the model.
 
 from __future__ import annotations
 
+import atexit
+import itertools
+import os
+import secrets
+import shutil
+import tempfile
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -218,7 +224,40 @@ def common_params(settings: ServerSettings) -> Any:
         p.cache_ram_mib = 0
     p.warmup = True  # one empty decode at load, so the first timed request pays no first-touch cost
     p.verbosity = -1
+    # No network listener. xllamacpp opens llama.cpp's HTTP front end next to the calls this process
+    # makes (its port 0 meant a random loopback port that answered /v1/chat/completions, /slots and
+    # /props to anyone on the host, past serve's key, queue and metrics). It needs one listener, so
+    # it gets a Unix socket in a folder only this user may enter, and a random key nobody is told;
+    # this process calls the server directly (handle_chat_completions), never through it.
+    p.hostnames = [_private_socket()]
+    p.api_keys = [secrets.token_urlsafe(32)]
+    p.endpoint_slots = False
+    p.ui = False
+    p.n_threads_http = 1  # the front end's worker threads (default: one per core, all idle here)
     return p
+
+
+_SOCKETS = itertools.count()
+_SOCKET_DIR: list[str] = []  # one private folder per process, made on first use and removed at exit
+
+
+def _private_socket() -> str:
+    """A fresh Unix socket path (llama.cpp's server takes a host ending in ``.sock`` as one) in a
+    folder of mode 0700 (:func:`tempfile.mkdtemp`); under /tmp when $TMPDIR would make the path
+    longer than a socket address holds (108 bytes)."""
+    if not _SOCKET_DIR:
+        folder = tempfile.mkdtemp(prefix="fractal-opt-llama-")
+        if len(folder) > 80:
+            shutil.rmtree(folder, ignore_errors=True)
+            folder = tempfile.mkdtemp(prefix="fractal-opt-llama-", dir="/tmp")
+        atexit.register(_remove_socket_dir, folder, os.getpid())
+        _SOCKET_DIR.append(folder)
+    return os.path.join(_SOCKET_DIR[0], f"server-{os.getpid()}-{next(_SOCKETS)}.sock")
+
+
+def _remove_socket_dir(folder: str, owner: int) -> None:
+    if os.getpid() == owner:  # not in a forked child, whose exit would pull the folder from under its parent
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def request_body(plan: Plan, messages: list[dict[str, str]], *, budget: int, seed: int, ignore_eos: bool) -> dict[str, Any]:
