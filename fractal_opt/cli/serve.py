@@ -1,9 +1,18 @@
-"""``fractal-opt serve RECIPE_OR_RUN_DIR``: an OpenAI-compatible endpoint on the tuned plan."""
+"""``fractal-opt serve RECIPE_OR_RUN_DIR``: an OpenAI-compatible endpoint on the tuned plan.
+
+It listens on ``--host:--port`` only (the llama.cpp runtime opens no listener of its own; a
+llama-server child listens on a loopback port with a key nobody is told). Every connection and
+request is bounded (docs/serving.md, "Security and limits"). When the engine says it will never
+serve again (a child server that could not be restarted), serve exits with status 1, so a
+supervisor starts it afresh.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import math
 import os
 import signal
 import socket
@@ -23,6 +32,16 @@ def add(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed of the server (default: the recipe's workload seed)")
     p.add_argument("--drain-s", type=float, default=10.0, help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are cancelled (default 10)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="uvicorn's log level (default info)")
+    limits = p.add_argument_group("limits", "bounds on every connection and request (docs/serving.md, 'Security and limits')")
+    limits.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body in MiB (default 4; larger: 413)")
+    limits.add_argument("--header-timeout-s", type=float, default=10.0, help="a request's line and headers must arrive within this (default 10; then the connection is closed)")
+    limits.add_argument("--body-timeout-s", type=float, default=30.0, help="a request's body must arrive within this (default 30; then 408)")
+    limits.add_argument("--keep-alive-s", type=float, default=5.0, help="an idle connection between requests is closed after this (default 5)")
+    limits.add_argument("--max-connections", type=int, default=1024, help="open connections at once (default 1024; one more: 503)")
+    limits.add_argument("--max-tokens-over-cap", choices=("refuse", "honour"), default="refuse",
+                        help="a max_tokens above the plan's cap (its max_new_tokens pass): refuse with a 400 naming the cap (default), or honour it")
+    limits.add_argument("--ignore-eos", action="store_true",
+                        help="run every answer to its max_tokens, past end-of-sequence (benchmarks with fixed output lengths); requests may send ignore_eos: true")
     p.set_defaults(func=serve)
 
 
@@ -31,8 +50,9 @@ def serve(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise RecipeError(f"serve --port: got {args.port}, expected a port number in 1..65535.")
-    if args.drain_s < 0:
-        raise RecipeError(f"serve --drain-s: got {args.drain_s}, expected seconds >= 0.")
+    if not math.isfinite(args.drain_s) or args.drain_s < 0:
+        raise RecipeError(f"serve --drain-s: got {args.drain_s}, expected a finite number of seconds >= 0.")
+    limits = _limits(args)
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -48,26 +68,60 @@ def serve(args: argparse.Namespace) -> int:
     from ..recipe import load_recipe
     from ..runtimes import Engine, recipe_source
     from ..serving.http import create_app
+    from ..serving.http_protocol import uvicorn_options
 
+    _log_to_stderr(args.log_level)
     recipe = load_recipe(recipe_source(args.recipe))
     engine = Engine.from_recipe(recipe, progress=lambda m: print(m, file=sys.stderr))
     plan = engine.plan
     name = args.model_name or recipe.name or plan.source
     seed = args.seed if args.seed is not None else recipe.workload.seed
+    fatal: list[str] = []
     try:
-        app = create_app(engine, model_name=name, api_key=api_key, seed=seed)
+        app = create_app(engine, model_name=name, api_key=api_key, seed=seed, limits=limits, over_cap=args.max_tokens_over_cap,
+                         ignore_eos=args.ignore_eos, on_fatal=lambda why: (fatal.append(why), setattr(web, "should_exit", True)))
         kept = ", ".join(plan.applied) or "nothing (the baseline)"
         print(f"fractal-opt: serving {name!r} on http://{args.host}:{args.port}/v1 ({plan.hardware.runtime}, {plan.scheduling.batching} batching; "
               f"kept: {kept}). Ctrl-C stops it.", file=sys.stderr, flush=True)
         # uvicorn's own grace period only starts the cancelling; the drain closes the request
         # server first, so every in-flight answer ends as a JSON error / SSE error event.
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.drain_s + 10)
-        stopped = _serve(_draining_server(config, drain_s=args.drain_s, stop_requests=app.state.server.close))
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.drain_s + 10,
+                                **uvicorn_options(limits))
+        web = _draining_server(config, drain_s=args.drain_s, stop_requests=app.state.server.close)
+        stopped = _serve(web)
     finally:
         engine.close()
+    if fatal:
+        print(f"fractal-opt: serve stopped: the engine cannot serve any more ({fatal[0]}).", file=sys.stderr)
+        return 1
     if stopped:
         print(f"fractal-opt: serve stopped ({signal.Signals(stopped).name}).", file=sys.stderr)
     return 0
+
+
+def _limits(args: argparse.Namespace):
+    """The limit flags as :class:`~fractal_opt.serving.http_limits.HttpLimits`, each checked."""
+    from ..errors import RecipeError
+    from ..serving.http_limits import HttpLimits
+
+    values = {"max_body_mb": args.max_body_mb, "header_timeout_s": args.header_timeout_s, "body_timeout_s": args.body_timeout_s,
+              "keep_alive_s": args.keep_alive_s, "max_connections": args.max_connections}
+    for name, value in values.items():
+        if not math.isfinite(value) or value <= 0:
+            raise RecipeError(f"serve --{name.replace('_', '-')}: got {value}, expected a finite number > 0.")
+    return HttpLimits(max_body_bytes=int(args.max_body_mb * 2**20), header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                      keep_alive_s=args.keep_alive_s, max_connections=args.max_connections)
+
+
+def _log_to_stderr(level: str) -> None:
+    """fractal_opt's own log lines (a failed request's whole error, a child server's restarts and
+    last log lines) to stderr, beside uvicorn's: the operator's view, never the client's."""
+    logger = logging.getLogger("fractal_opt")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
 
 
 class _Stopped(Exception):

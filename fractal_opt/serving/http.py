@@ -6,18 +6,22 @@ The HTTP layer only translates:
 
 - ``POST /v1/chat/completions`` and ``/v1/completions``, streamed (SSE) or not; per request
   ``max_tokens``, ``stop``, ``stream``, ``temperature`` / ``top_p`` / ``seed`` (omitted: the
-  plan's; see :mod:`.openai_requests` and :mod:`.sampling`);
-- ``GET /v1/models``, ``GET /health`` (no key needed: load balancers probe it), ``GET /metrics``
+  plan's); every other field is honoured or refused by name (:mod:`.openai_requests`);
+- ``GET /v1/models``, ``GET /health`` (no key needed: load balancers probe it; 503 whenever the
+  engine cannot serve, :meth:`~fractal_opt.engine.protocol.Engine.health`), ``GET /metrics``
   (Prometheus text, :mod:`.http_metrics`).
 
 A client that disconnects cancels its request, which frees its slot (and KV-cache blocks) at the
 next step. A full queue answers 429 (Retry-After), a closed or shutting-down server 503, a timed-out
-request 503, a bad field 400 naming it (``error.param``), a request over the context cap 400
-(``context_length_exceeded``); every error is OpenAI's JSON error object, never a traceback.
+request 503, an engine that cannot serve (a child server restarting) 503, a bad field 400 naming it
+(``error.param``), a request over the context cap 400 (``context_length_exceeded``), ``max_tokens``
+over the plan's cap 400 naming the cap (unless the app honours it: ``over_cap="honour"``), a body
+too large 413, too slow 408, nested too deep 400 (:mod:`.http_limits`); every error is OpenAI's
+JSON error object, never a traceback, and never the engine's internals (those go to the log).
 
 Importing this module needs the ``serve`` extra (fastapi, uvicorn, prometheus_client); nothing
-else in fractal_opt imports it. No thread waits per request: tickets notify the event loop (``Ticket.on_change``), so fifty
-streaming clients cost fifty coroutines, not fifty blocked threads.
+else in fractal_opt imports it. No thread waits per request: tickets notify the event loop
+(``Ticket.on_change``), so fifty streaming clients cost fifty coroutines, not fifty blocked threads.
 
 Example:
     >>> app = create_app(engine, model_name="chatbot")            # doctest: +SKIP
@@ -29,272 +33,270 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from ..errors import RecipeError, RequestRejected
+from ..errors import EngineError, RecipeError, RequestRejected
+from .http_limits import BodyError, HttpLimits, read_json
 from .http_metrics import ServeMetrics
+from .http_stream import TicketStream, Watch, sse, whole
 from .openai_requests import BadRequest, Parsed, parse_chat, parse_completion
 from .sampling import SamplingError
+from .ticket import Ticket
 
 __all__ = ["create_app"]
 
 log = logging.getLogger("fractal_opt.serve")
 
-_DISCONNECT_POLL_S = 0.1  # how often a waiting request checks whether its client is still there
+_HEALTH_POLL_S = 1.0  # how often the app asks the engine whether it can still serve
 
 
-def create_app(engine: Any, *, model_name: str, api_key: str | None = None, seed: int = 0) -> Any:
+@dataclass
+class _Service:
+    """What the routes share: the engine, its request server and metrics, and the app's settings."""
+
+    engine: Any
+    server: Any
+    metrics: ServeMetrics
+    model_name: str
+    api_key: str | None
+    limits: HttpLimits
+    over_cap: Literal["refuse", "honour"]
+    ignore_eos: bool
+    created: int
+    unavailable: str | None = None  # the engine's last health reading (every second): why it cannot serve now
+
+    @property
+    def plan(self) -> Any:
+        return self.engine.plan
+
+    def unauthorized(self, request: Request) -> Any | None:
+        if self.api_key is None:
+            return None
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if hmac.compare_digest(given.encode(), self.api_key.encode()):
+            return None
+        return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (fractal-opt serve --api-key)", kind="authentication_error",
+                     headers={"WWW-Authenticate": "Bearer"})
+
+
+def error(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None,
+          headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error object."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status, headers=headers)
+
+
+def create_app(engine: Any, *, model_name: str, api_key: str | None = None, seed: int = 0, limits: HttpLimits | None = None,
+               over_cap: Literal["refuse", "honour"] = "refuse", ignore_eos: bool = False, on_fatal: Callable[[str], None] | None = None) -> Any:
     """A FastAPI app serving ``engine``'s plan; its request server starts now and closes on shutdown.
 
     Args:
         engine: a built Engine (``Engine.from_recipe(...)``).
-        model_name: the id ``/v1/models`` lists and responses carry.
+        model_name: the id ``/v1/models`` lists, responses carry and requests must name (or omit).
         api_key: when set, ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <api_key>``.
         seed: the server's sampling seed, for requests that sample and send no ``seed``.
+        limits: body size and arrival time (:class:`~.http_limits.HttpLimits`; its connection
+            limits are for uvicorn: :func:`.http_protocol.uvicorn_options`).
+        over_cap: a ``max_tokens`` above the plan's ``application.max_new_tokens``: refused with
+            a 400 naming the cap, or honoured.
+        ignore_eos: every answer runs to its ``max_tokens`` (benchmarks with fixed output lengths).
+        on_fatal: called once with the reason when the engine says it will never serve again
+            (its health check raises); the server should then exit non-zero.
     """
-    server = engine.server(seed=seed)
-    metrics = ServeMetrics(server)
-    plan = engine.plan
-    created = int(time.time())
+    if over_cap not in ("refuse", "honour"):
+        raise ValueError(f"create_app: over_cap {over_cap!r}, expected 'refuse' or 'honour'")
+    server = engine.server(seed=seed, ignore_eos=ignore_eos)
+    svc = _Service(engine=engine, server=server, metrics=ServeMetrics(server), model_name=model_name, api_key=api_key, limits=limits or HttpLimits(),
+                   over_cap=over_cap, ignore_eos=ignore_eos, created=int(time.time()))
+    app = FastAPI(title="fractal-opt serve", lifespan=_lifespan(svc, on_fatal), docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server, app.state.metrics, app.state.service = server, svc.metrics, svc
+    _error_handlers(app)
+    _info_routes(app, svc)
+    _completion_routes(app, svc)
+    return app
 
+
+def _lifespan(svc: _Service, on_fatal: Callable[[str], None] | None) -> Any:
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
-        yield
-        await asyncio.to_thread(server.close)  # cancels what is still queued or running
+        watcher = asyncio.create_task(_watch_health(svc, on_fatal))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await asyncio.to_thread(svc.server.close)  # cancels what is still queued or running
 
-    app = FastAPI(title="fractal-opt serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.server = server
-    app.state.metrics = metrics
+    return lifespan
 
-    def error(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None,
-              headers: dict[str, str] | None = None) -> Any:
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status, headers=headers)
 
+async def _watch_health(svc: _Service, on_fatal: Callable[[str], None] | None) -> None:
+    """Ask the engine every second whether it can serve (``svc.unavailable``, which failed requests
+    are answered by); the first "never again" is passed to ``on_fatal``."""
+    while True:
+        await asyncio.sleep(_HEALTH_POLL_S)
+        try:
+            svc.unavailable = await asyncio.to_thread(svc.engine.health)
+        except EngineError as e:
+            svc.unavailable = str(e)
+            log.error("the engine cannot serve any more: %s", e)
+            if on_fatal is not None:
+                on_fatal(str(e))
+            return
+
+
+def _error_handlers(app: Any) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Any:
         return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind="not_found_error" if exc.status_code == 404 else "invalid_request_error")
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Any:
-        log.error("internal error on %s: %s: %s", request.url.path, type(exc).__name__, exc)
-        return error(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+        log.error("internal error on %s", request.url.path, exc_info=exc)  # the whole story goes to the log, not to the client
+        return error(500, f"internal error ({type(exc).__name__}); the server's log has the details", kind="server_error")
 
-    def unauthorized(request: Request) -> Any | None:
-        if api_key is None:
-            return None
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if hmac.compare_digest(given.encode(), api_key.encode()):
-            return None
-        return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (fractal-opt serve --api-key)", kind="authentication_error",
-                     headers={"WWW-Authenticate": "Bearer"})
 
+def _info_routes(app: Any, svc: _Service) -> None:
     @app.get("/health")
     async def health() -> Any:
-        body = {"status": "closed" if server.closed else "ok", "model": model_name, "runtime": plan.hardware.runtime,
-                "batching": plan.scheduling.batching, "queued": server.queued(), "live": server.live(),
-                "max_queue": server.max_queue, "in_flight_limit": server.in_flight}
-        return JSONResponse(body, status_code=503 if server.closed else 200)
+        status, reason = "ok", None
+        try:
+            reason = await asyncio.to_thread(svc.engine.health)
+        except EngineError as e:
+            status, reason = "failed", str(e)
+        if svc.server.closed:
+            status, reason = "closed", reason or "the request server is closed"
+        elif reason is not None and status == "ok":
+            status = "unavailable"
+        plan = svc.plan
+        body = {"status": status, "reason": reason, "model": svc.model_name, "runtime": plan.hardware.runtime, "batching": plan.scheduling.batching,
+                "queued": svc.server.queued(), "live": svc.server.live(), "max_queue": svc.server.max_queue, "in_flight_limit": svc.server.in_flight}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Any:
-        if (denied := unauthorized(request)) is not None:
+        if (denied := svc.unauthorized(request)) is not None:
             return denied
-        text, content_type = metrics.text()
+        text, content_type = svc.metrics.text()
         return Response(text, media_type=content_type)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
-        if (denied := unauthorized(request)) is not None:
+        if (denied := svc.unauthorized(request)) is not None:
             return denied
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "fractal-opt", "root": plan.source}]}
+        return {"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": svc.created, "owned_by": "fractal-opt"}]}
 
+
+def _completion_routes(app: Any, svc: _Service) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        return await answer(request, "chat.completions")
+        return await _answer(svc, request, "chat.completions")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return await answer(request, "completions")
-
-    async def answer(request: Request, endpoint: str) -> Any:
-        if (denied := unauthorized(request)) is not None:
-            metrics.refused(endpoint, "unauthorized")
-            return denied
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            metrics.refused(endpoint, "bad_request")
-            return error(400, f"the request body is not valid JSON: {e}", param="body")
-        try:
-            parsed = (parse_chat if endpoint == "chat.completions" else parse_completion)(body)
-        except BadRequest as e:
-            metrics.refused(endpoint, "bad_request")
-            return error(400, str(e), param=e.param)
-        try:
-            ticket = await asyncio.to_thread(server.submit, parsed.messages, max_new_tokens=parsed.max_tokens, stop=parsed.stop,
-                                             temperature=parsed.temperature, top_p=parsed.top_p, seed=parsed.seed)
-        except SamplingError as e:  # sampling this scheduler cannot honour per request
-            metrics.refused(endpoint, "bad_request")
-            return error(400, str(e), param=e.param)
-        except RecipeError as e:
-            metrics.refused(endpoint, "bad_request")
-            return error(400, str(e), param="messages")
-        except RequestRejected as e:
-            if server.closed:
-                metrics.refused(endpoint, "closed")
-                return error(503, f"the server is shutting down: {e}", kind="server_error", code="server_shutting_down")
-            metrics.refused(endpoint, "overloaded")
-            return error(429, str(e), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-        watch = _Watch(ticket)
-        try:
-            if not await watch.until(lambda: ticket.status != "queued", request):
-                return Response(status_code=499)  # the client left while queued: its ticket is cancelled
-            if ticket.finished and ticket.status != "done" and not ticket.token_ids:
-                return ended_badly(ticket)
-            if parsed.stream:
-                owner, watch = watch, None  # the response owns the ticket's end from here
-                return _TicketStream(sse(ticket, owner, parsed, endpoint), on_close=lambda: owner.close(lambda: metrics.ended(endpoint, ticket)),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            if not await watch.until(lambda: ticket.finished, request):
-                return Response(status_code=499)
-            if ticket.status != "done":
-                return ended_badly(ticket)
-            return JSONResponse(whole(ticket, parsed, endpoint))
-        finally:
-            if watch is not None:
-                watch.close(lambda: metrics.ended(endpoint, ticket))
-
-    def ended_badly(ticket: Any) -> Any:
-        """The error response for a ticket that ended without an answer."""
-        if ticket.status == "rejected":
-            if server.closed:
-                return error(503, f"the server is shutting down: {ticket.error}", kind="server_error", code="server_shutting_down")
-            return error(400, str(ticket.error), param="messages", code="context_length_exceeded")
-        if ticket.status == "timeout":
-            return error(503, f"the request timed out after the plan's deadline ({plan.scheduling.timeout_s} s, queueing included); retry later",
-                         kind="server_error", code="timeout", headers={"Retry-After": "1"})
-        if ticket.status == "cancelled":
-            return error(503, "the request was cancelled: the server is shutting down", kind="server_error", code="server_shutting_down")
-        return error(500, f"generation failed: {ticket.error}", kind="server_error")
-
-    def ids() -> tuple[str, int]:
-        return uuid.uuid4().hex[:24], int(time.time())
-
-    def usage(ticket: Any) -> dict[str, int]:
-        return {"prompt_tokens": ticket.prompt_tokens, "completion_tokens": len(ticket.token_ids), "total_tokens": ticket.prompt_tokens + len(ticket.token_ids)}
-
-    def finish_reason(ticket: Any) -> str:
-        return "length" if ticket.hit_cap else "stop"
-
-    def whole(ticket: Any, parsed: Parsed, endpoint: str) -> dict[str, Any]:
-        rid, now = ids()
-        text = ticket.result().text
-        if endpoint == "chat.completions":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason(ticket), "logprobs": None}
-            return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": now, "model": model_name, "choices": [choice], "usage": usage(ticket)}
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason(ticket), "logprobs": None}
-        return {"id": f"cmpl-{rid}", "object": "text_completion", "created": now, "model": model_name, "choices": [choice], "usage": usage(ticket)}
-
-    async def sse(ticket: Any, watch: _Watch, parsed: Parsed, endpoint: str) -> AsyncIterator[str]:
-        rid, now = ids()
-        chat_ = endpoint == "chat.completions"
-        head = {"id": f"chatcmpl-{rid}" if chat_ else f"cmpl-{rid}", "object": "chat.completion.chunk" if chat_ else "text_completion",
-                "created": now, "model": model_name}
-
-        def chunk(text: str | None, finish: str | None = None, *, role: bool = False) -> str:
-            if chat_:
-                delta: dict[str, Any] = {"role": "assistant"} if role else {}
-                if text is not None:
-                    delta["content"] = text
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
-
-        try:
-            if chat_:
-                yield chunk("", role=True)
-            sent = ""
-            while True:
-                text, ended = ticket.visible_text()
-                if len(text) > len(sent) and text.startswith(sent):
-                    yield chunk(text[len(sent) :])
-                    sent = text
-                if ended:
-                    break
-                await watch.wait()
-            if ticket.status == "done":
-                yield chunk(None if chat_ else "", finish_reason(ticket))
-            else:
-                response = ended_badly(ticket)
-                yield f"data: {response.body.decode()}\n\n"
-            if parsed.include_usage:
-                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(ticket)})}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:  # also when the client disconnects (the task is cancelled): the slot is freed
-            watch.close(lambda: metrics.ended(endpoint, ticket))
-
-    class _TicketStream(StreamingResponse):
-        """A streamed answer that ends its ticket however the response ends: finished, the client
-        gone before the first chunk (the generator's own ``finally`` would never run), or cancelled."""
-
-        def __init__(self, content: Any, *, on_close: Any, **kwargs: Any):
-            super().__init__(content, **kwargs)
-            self.on_close = on_close
-
-        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                self.on_close()
-
-    return app
+        return await _answer(svc, request, "completions")
 
 
-class _Watch:
-    """Wakes a coroutine whenever its ticket changes, without a thread per request."""
+async def _answer(svc: _Service, request: Request, endpoint: str) -> Any:
+    """One completion request: checked, submitted, then answered whole or streamed."""
+    if (denied := svc.unauthorized(request)) is not None:
+        svc.metrics.refused(endpoint, "unauthorized")
+        return denied
+    parsed = await _parsed(svc, request, endpoint)
+    if not isinstance(parsed, Parsed):
+        svc.metrics.refused(endpoint, "bad_request")
+        return parsed
+    ticket = await _submit(svc, parsed, endpoint)
+    if not isinstance(ticket, Ticket):
+        return ticket  # the refusal (400 / 429 / 503)
+    return await _respond(svc, request, ticket, parsed, endpoint)
 
-    def __init__(self, ticket: Any):
-        self.ticket = ticket
-        self.event = asyncio.Event()
-        loop = asyncio.get_running_loop()
 
-        def changed() -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): nobody waits
-                loop.call_soon_threadsafe(self.event.set)
+async def _parsed(svc: _Service, request: Request, endpoint: str) -> Parsed | Any:
+    """The checked request, or the error response refusing it."""
+    try:
+        body = await read_json(request, svc.limits)
+    except BodyError as e:
+        close = {"Connection": "close"} if e.status in (408, 413) else None  # the rest of the body is never read
+        return error(e.status, str(e), param=e.param, code=e.code, headers=close)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    try:
+        parsed = (parse_chat if endpoint == "chat.completions" else parse_completion)(body, served=svc.model_name, ignore_eos=svc.ignore_eos)
+    except BadRequest as e:
+        return error(400, str(e), param=e.param)
+    cap = svc.plan.application.max_new_tokens
+    if parsed.max_tokens is not None and cap and parsed.max_tokens > cap and svc.over_cap == "refuse":
+        field = parsed.max_tokens_field
+        return error(400, f"'{field}': got {parsed.max_tokens}, above this plan's cap of {cap} tokens (its application.max_new_tokens, the max_new_tokens "
+                     f"pass): ask for at most {cap}, or start serve with --max-tokens-over-cap honour.", param=field, code="max_tokens_over_cap")
+    return parsed
 
-        ticket.on_change(changed)
-        self.closed = False
 
-    async def wait(self, timeout: float = _DISCONNECT_POLL_S) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.event.wait(), timeout)
-        self.event.clear()
+async def _submit(svc: _Service, parsed: Parsed, endpoint: str) -> Any:
+    """The ticket of a submitted request, or the error response refusing it."""
+    try:
+        return await asyncio.to_thread(svc.server.submit, parsed.messages, max_new_tokens=parsed.max_tokens, stop=parsed.stop, temperature=parsed.temperature,
+                                       top_p=parsed.top_p, seed=parsed.seed, over_cap=svc.over_cap == "honour")
+    except SamplingError as e:  # sampling this scheduler cannot honour per request
+        svc.metrics.refused(endpoint, "bad_request")
+        return error(400, str(e), param=e.param)
+    except RecipeError as e:
+        svc.metrics.refused(endpoint, "bad_request")
+        return error(400, str(e), param="messages")
+    except RequestRejected as e:
+        if svc.server.closed:
+            svc.metrics.refused(endpoint, "closed")
+            return error(503, f"the server is shutting down: {e}", kind="server_error", code="server_shutting_down")
+        svc.metrics.refused(endpoint, "overloaded")
+        return error(429, str(e), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
 
-    async def until(self, condition: Any, request: Any) -> bool:
-        """Wait until ``condition()``; False (and the ticket cancelled) when the client left first."""
-        while not condition():
-            if await request.is_disconnected():
-                self.ticket.cancel()
-                return False
-            await self.wait()
-        return True
 
-    def close(self, record: Any) -> None:
-        """The request's end: cancel the ticket if it still runs, then record it (once)."""
-        if self.closed:
-            return
-        self.closed = True
-        if not self.ticket.finished:
-            self.ticket.cancel()
-        record()
+async def _respond(svc: _Service, request: Request, ticket: Any, parsed: Parsed, endpoint: str) -> Any:
+    """Wait for ``ticket`` and answer: JSON once it ends, or SSE from its first token."""
+    watch: Watch | None = Watch(ticket)
+    record = lambda: svc.metrics.ended(endpoint, ticket)  # noqa: E731
+    try:
+        if not await watch.until(lambda: ticket.status != "queued", request):
+            return Response(status_code=499)  # the client left while queued: its ticket is cancelled
+        if ticket.finished and ticket.status != "done" and not ticket.token_ids:
+            return _ended_badly(svc, ticket)
+        if parsed.stream:
+            owner, watch = watch, None  # the response owns the ticket's end from here
+            events = sse(ticket, owner, parsed, endpoint, svc.model_name, failed=lambda t: _ended_badly(svc, t), record=record)
+            return TicketStream(events, on_close=lambda: owner.close(record), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if not await watch.until(lambda: ticket.finished, request):
+            return Response(status_code=499)
+        if ticket.status != "done":
+            return _ended_badly(svc, ticket)
+        return JSONResponse(whole(ticket, endpoint, svc.model_name))
+    finally:
+        if watch is not None:
+            watch.close(record)
+
+
+def _ended_badly(svc: _Service, ticket: Any) -> Any:
+    """The error response for a ticket that ended without an answer."""
+    if ticket.status == "rejected":
+        if svc.server.closed:
+            return error(503, f"the server is shutting down: {ticket.error}", kind="server_error", code="server_shutting_down")
+        return error(400, str(ticket.error), param="messages", code="context_length_exceeded")
+    if ticket.status == "timeout":
+        return error(503, f"the request timed out after the plan's deadline ({svc.plan.scheduling.timeout_s} s, queueing included); retry later",
+                     kind="server_error", code="timeout", headers={"Retry-After": "1"})
+    if ticket.status == "cancelled":
+        return error(503, "the request was cancelled: the server is shutting down", kind="server_error", code="server_shutting_down")
+    log.error("request %s failed: %s", ticket.request.id, ticket.error)  # the whole error (a child's log tail) for the operator only
+    if svc.unavailable is not None:
+        return error(503, f"the model server cannot answer now ({svc.unavailable}); retry later", kind="server_error", code="engine_unavailable",
+                     headers={"Retry-After": "2"})
+    first = str(ticket.error).split("\n", 1)[0]
+    return error(500, f"generation failed: {first[:200]}{'...' if len(first) > 200 else ''}", kind="server_error")

@@ -98,7 +98,8 @@ class Server:
 
     # ------------------------------------------------------------------ public
     def submit(self, request: Request | str | Sequence[dict[str, str]], *, max_new_tokens: int | None = None, timeout_s: float | None = None,
-               stop: Sequence[str] = (), temperature: float | None = None, top_p: float | None = None, seed: int | None = None) -> Ticket:
+               stop: Sequence[str] = (), temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+               over_cap: bool = False) -> Ticket:
         """Queue a request (a user message, a list of ``{"role", "content"}`` chat messages or a
         Request) and return its ticket at once.
 
@@ -108,7 +109,8 @@ class Server:
         ``temperature`` / ``top_p`` / ``seed``: this request's own sampling (None: the plan's, and
         the server's seed); temperature 0 is greedy, above 0 samples even on a greedy plan
         (:func:`~fractal_opt.serving.sampling.decoding`). A request whose sampling differs from the
-        plan's bypasses the response cache.
+        plan's bypasses the response cache. ``over_cap``: ``max_new_tokens`` is honoured above the
+        plan's own cap (``application.max_new_tokens``), which otherwise lowers it.
 
         Safe to call from any thread, also while another thread closes the server: the ticket is
         then rejected or cancelled, never left queued.
@@ -125,7 +127,7 @@ class Server:
         if (why := self.sampling_refused(sampling)) is not None:
             raise SamplingError(*why)
         timeout_s = timeout_s if timeout_s is not None else self.plan.scheduling.timeout_s
-        ticket = self._ticket(request, max_new_tokens=max_new_tokens, timeout_s=timeout_s)
+        ticket = self._ticket(request, max_new_tokens=max_new_tokens, timeout_s=timeout_s, over_cap=over_cap)
         ticket.sampling = sampling
         if stop:
             ticket.request_stops = tuple(s for s in stop if s)
@@ -202,9 +204,10 @@ class Server:
     def _run(self) -> None:
         raise NotImplementedError
 
-    def _ticket(self, request: Request, *, max_new_tokens: int | None, timeout_s: float | None) -> Ticket:
+    def _ticket(self, request: Request, *, max_new_tokens: int | None, timeout_s: float | None, over_cap: bool = False) -> Ticket:
         """A new ticket for ``request``, wired to this server (not queued)."""
-        ticket = Ticket(request, max_new_tokens=self.engine.budget(max_new_tokens), timeout_s=timeout_s, streaming=self.plan.scheduling.streaming)
+        budget = max_new_tokens if over_cap and max_new_tokens else self.engine.budget(max_new_tokens)
+        ticket = Ticket(request, max_new_tokens=budget, timeout_s=timeout_s, streaming=self.plan.scheduling.streaming)
         ticket._decode = self._decode
         ticket._on_cancel = self._cancelled
         ticket.stops = self.plan.application.stop

@@ -12,14 +12,17 @@ AVX2 and no AVX-512), and no wheel on the registry ships a ``llama-server`` buil
 ``scripts/build-llama-server.sh`` (``make setup-llama-native``) compiles one from the llama.cpp
 sources inside xllamacpp's own sdist (the same llama.cpp version), with ``GGML_NATIVE=ON``; the
 path value ``native`` names that build (one per CPU instruction set: :func:`cpu_tag`). Measured
-in session 7 on a 2-core AMD EPYC (AVX-512, AVX512_BF16), 8 chat clients: the native build on
+on a 2-core AMD EPYC (AVX-512, AVX512_BF16), 8 chat clients: the native build on
 BF16 weights gave 125.4 output tokens/s, the wheel's best 85.4 (benchmarks/runtimes.py, 5 rounds;
 docs/runtimes.md).
 A child process also has its own OpenMP runtime, so it never shares spin-waiting threads with
 torch or with another server in this process (docs/runtimes.md, "one server at a time").
 
 A :class:`LlamaServerProcess` stops when the last reference to it goes (as an
-``xllamacpp.Server`` does), at :meth:`LlamaServerProcess.stop`, or when Python exits.
+``xllamacpp.Server`` does), at :meth:`LlamaServerProcess.stop`, when Python exits, or when this
+process dies by any signal (the child's watchdog: :mod:`..child_process`). It listens on a
+loopback port with a random API key, so other users of the host cannot use it past ``serve``; a
+child that dies is started again, within bounds, and :meth:`LlamaServerProcess.health` says so.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import os
 import platform
 import re
+import secrets
 import subprocess
 import time
 import weakref
@@ -38,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import EngineError
-from ..child_process import ServerProcess, free_port
+from ..child_process import ServerProcess, Supervised, free_port
 
 __all__ = ["NATIVE", "LlamaServerProcess", "command", "cpu_tag", "executable_problem", "native_executable", "resolve_executable"]
 
@@ -46,6 +50,7 @@ NATIVE = "native"  # hardware.runtime_path value: the llama-server that scripts/
 _START_TIMEOUT_S = 120.0  # loading the embedded model takes ~1 s; a large GGUF from a cold disk takes longer
 _READ_TIMEOUT_S = 600.0  # per socket read: a hung server surfaces as an error
 _EXIT_WAIT_S = 2.0  # after a broken connection: how long to wait for a dying child's exit status
+_HEALTH_TIMEOUT_S = 1.0  # serve's /health asks the child's: a load balancer's probe must not hang on it
 _BUILD_HINT = "make setup-llama-native (scripts/build-llama-server.sh) builds llama.cpp's llama-server for this CPU in about 5 minutes"
 
 
@@ -119,6 +124,10 @@ def command(executable: str, settings: Any, port: int, *, host: str = "127.0.0.1
 class LlamaServerProcess:
     """A ``llama-server`` child for ``settings``, answering the engine's two xllamacpp calls over HTTP.
 
+    A child that dies on its own is started again on the same port (:class:`~..child_process.Supervised`:
+    three tries, 1 s, 2 s, 4 s apart); requests in flight then, or sent while it restarts, fail with
+    a short EngineError, and :meth:`health` says why it cannot serve (raising once the tries are spent).
+
     Raises:
         EngineError: the server could not start, exited, or was not serving within the timeout
             (the message ends with its last log lines).
@@ -128,57 +137,66 @@ class LlamaServerProcess:
         if settings.executable is None:
             raise EngineError("LlamaServerProcess needs settings.executable (hardware.runtime_path)")
         port = free_port()
-        self.process = ServerProcess([*command(settings.executable, settings, port), "--no-webui"], env={}, port=port, log_prefix="fractal-opt-llama-server-")
+        argv = [*command(settings.executable, settings, port), "--no-webui"]
+        # Its loopback port is reachable by every user of the host: it demands a random key, given
+        # through the environment (readable by this user only, unlike the command line in ps).
+        self._key = secrets.token_urlsafe(32)
+        env = {"LLAMA_API_KEY": self._key}
+        self.supervised = Supervised(lambda: _started(argv, env, port, start_timeout_s), name="llama-server")
         # Stop the child once nothing refers to this object any more, like an xllamacpp.Server
         # whose last reference goes (the one-resident rule in .engine drops servers that way).
-        self._finalizer = weakref.finalize(self, self.process.stop, grace_s=5.0)
+        self._finalizer = weakref.finalize(self, self.supervised.stop)
         self.port = port
-        self._wait_healthy(start_timeout_s)
-        self.process.ready = True
+
+    @property
+    def process(self) -> ServerProcess:
+        """The child serving now (another one after a restart)."""
+        return self.supervised.process
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
+    def health(self) -> str | None:
+        """Why this server cannot answer now (its child restarting, or not answering /health), or None.
+
+        Raises:
+            EngineError: the child died and could not be started again.
+        """
+        if (problem := self.supervised.health()) is not None:
+            return problem
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=_HEALTH_TIMEOUT_S)
+            conn.request("GET", "/health")
+            status = conn.getresponse().status
+            conn.close()
+        except (OSError, http.client.HTTPException) as e:
+            return f"llama-server (pid {self.pid}) does not answer /health: {e}"
+        return None if status == 200 else f"llama-server (pid {self.pid}) answers /health with HTTP {status}"
+
     def stop(self) -> None:
         """End the child now (idempotent)."""
         self._finalizer()
 
-    def _wait_healthy(self, timeout_s: float) -> None:
-        start = time.perf_counter()
-        while time.perf_counter() - start < timeout_s:
-            if not self.process.alive():
-                raise EngineError(f"llama-server exited with status {self.process.proc.returncode} while loading; its log ({self.process.log_path}) ends:\n{self.process.log_tail()}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2.0)
-                conn.request("GET", "/health")
-                status = conn.getresponse().status
-                conn.close()
-                if status == 200:
-                    return
-            except OSError:
-                pass  # not listening yet
-            time.sleep(0.05)
-        self.stop()
-        raise EngineError(f"llama-server was not serving after {timeout_s:.0f} s; its log ({self.process.log_path}) ends:\n{self.process.log_tail()}")
-
     def _post(self, path: str, body: dict[str, Any]) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=_READ_TIMEOUT_S)
         try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", "Authorization": f"Bearer {self._key}"})
             return conn, conn.getresponse()
         except (OSError, http.client.HTTPException) as e:
             conn.close()
             raise self._failure(f"POST {path} to llama-server failed: {e}") from e
 
     def _failure(self, what: str) -> EngineError:
-        """An EngineError for ``what``, with the child's exit status and last log lines when it has
-        ended (a dying server closes its sockets a moment before it exits: wait briefly for that)."""
+        """An EngineError for ``what``: its first line short (what a client may be told), then the
+        child's last log lines when it has ended (a dying server closes its sockets a moment before
+        it exits: wait briefly for that)."""
+        child = self.process
         try:
-            self.process.proc.wait(timeout=_EXIT_WAIT_S)
+            child.proc.wait(timeout=_EXIT_WAIT_S)
         except subprocess.TimeoutExpired:
-            return EngineError(f"{what} (llama-server {self.pid} still runs; its log: {self.process.log_path})")
-        return EngineError(f"{what} (llama-server exited with status {self.process.proc.returncode}; its log ends:\n{self.process.log_tail()})")
+            return EngineError(f"{what} (llama-server {child.pid} still runs; its log: {child.log_path})")
+        return EngineError(f"{what} (llama-server exited with status {child.proc.returncode})\nits log ends:\n{child.log_tail()}")
 
     def handle_chat_completions(self, body: dict[str, Any], callback: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
         """Stream one chat completion, calling ``callback`` with every chunk (as xllamacpp does);
@@ -219,6 +237,33 @@ class LlamaServerProcess:
             raise self._failure(f"the answer from llama-server broke: {type(e).__name__}: {e}") from e
         finally:
             conn.close()
+
+
+def _started(argv: list[str], env: dict[str, str], port: int, timeout_s: float) -> ServerProcess:
+    """Start ``argv`` and return it once its /health answers 200.
+
+    Raises:
+        EngineError: it exited or was not serving within ``timeout_s`` (with its last log lines).
+    """
+    process = ServerProcess(argv, env=env, port=port, log_prefix="fractal-opt-llama-server-")
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        if not process.alive():
+            process.stop()
+            raise EngineError(f"llama-server exited with status {process.proc.returncode} while loading; its log ({process.log_path}) ends:\n{process.log_tail()}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
+            conn.request("GET", "/health")
+            status = conn.getresponse().status
+            conn.close()
+            if status == 200:
+                process.ready = True
+                return process
+        except OSError:
+            pass  # not listening yet
+        time.sleep(0.05)
+    process.stop()
+    raise EngineError(f"llama-server was not serving after {timeout_s:.0f} s; its log ({process.log_path}) ends:\n{process.log_tail()}")
 
 
 def _error(response: http.client.HTTPResponse) -> dict[str, Any]:

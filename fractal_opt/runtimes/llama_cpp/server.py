@@ -47,7 +47,7 @@ class LlamaServer(SlotServer):
         try:
             own = self.decoding(ticket) if not ticket.sampling.empty else None  # the request's own temperature / top_p / seed
             answer = self.engine.complete(ticket.request, budget=ticket.max_new_tokens, seed=self.seed, ignore_eos=self.ignore_eos, on_tokens=on_tokens,
-                                          decoding=own)
+                                          decoding=own, stop=ticket.request_stops)  # llama.cpp stops there itself: usage still arrives
         except RequestRejected as e:
             self._end(ticket, "rejected", e)
             return
@@ -55,6 +55,7 @@ class LlamaServer(SlotServer):
             self._end(ticket, "error", e)
             return
         ticket.prompt_tokens = answer.prompt_tokens
+        ticket.ended_on_stop = bool(ticket.request_stops) and answer.finish_reason == "stop"  # not hit_cap, however many tokens that took
         self._end(ticket, "done")
 
     def _cancelled(self, ticket: Ticket) -> None:
