@@ -154,6 +154,10 @@ ARGUMENTS = [
     (["no-such-command"], ["invalid choice: 'no-such-command'"]),
     (["passes", "--bogus"], ["unrecognized arguments: --bogus"]),
     (["generate", "recipes/good.yaml"], ["the following arguments are required: prompt"]),
+    (["serve", "recipes/good.yaml", "--drain-s", "nan"], ["serve --drain-s", "nan", "finite"]),
+    (["serve", "recipes/good.yaml", "--body-timeout-s", "inf"], ["serve --body-timeout-s", "inf", "finite number > 0"]),
+    (["serve", "recipes/good.yaml", "--max-connections", "0"], ["serve --max-connections", "got 0"]),
+    (["run", "recipes/good.yaml", "--out", ""], ["run --out: got ''", "folder path"]),
 ]
 
 

@@ -133,6 +133,7 @@ def test_serve_with_a_key_on_an_in_process_llama_cpp_plan_has_one_listener(tmp_p
         _stop(proc)
 
 
+@pytest.mark.integration  # starts serve (~5 s); the watchdog itself: tests/runtimes/test_child_process.py
 def test_a_sigkilled_serve_leaves_no_llama_server_child(tmp_path):
     """kill -9 of serve with a llama-server child: no child 3 s later. serve itself listens on --port
     only; the child's loopback port demands a key serve never tells anyone."""
@@ -152,6 +153,7 @@ def test_a_sigkilled_serve_leaves_no_llama_server_child(tmp_path):
         proc.kill()
 
 
+@pytest.mark.integration  # starts serve and waits out three restarts (~15 s)
 def test_a_dead_child_is_restarted_and_serve_exits_when_it_cannot_be(tmp_path):
     """The child killed: /health is 503 saying so, requests get a short error; it is restarted and
     serves again. Killed while it cannot start: after bounded tries serve exits with status 1."""
