@@ -46,6 +46,7 @@ _GROUP_EXIT_S = 5.0  # how long stop() waits for SIGKILLed workers to be gone
 # Every started child until stop(): strong references, so a child whose engine was dropped
 # without close() is still stopped by the atexit hook (a weak set would lose it with the object).
 _LIVE: set[ServerProcess] = set()
+_EXITING = threading.Event()  # set when Python exits: children stopped then are not restarted
 # The watchdog (see the module's note): reads until end-of-file; anything but "stopped" means the
 # parent died without stopping the child, so the child's group is killed. SIGINT / SIGTERM are
 # ignored: a Ctrl-C or a kill of the parent's group must not take the watchdog before the child.
@@ -195,7 +196,7 @@ class Supervised:
         while not self._stopping.is_set():
             child = self.process
             status = child.proc.wait()
-            if self._stopping.is_set():
+            if self._stopping.is_set() or _EXITING.is_set():
                 return
             self.exited = status
             log.error("%s (pid %d) exited with status %s after %.0f s; its log (%s) ends:\n%s", self.name, child.pid, status,
@@ -272,5 +273,6 @@ def _group_running(pgid: int) -> bool:
 
 @atexit.register
 def _stop_all() -> None:
+    _EXITING.set()  # no Supervised restarts what is stopped here
     for proc in list(_LIVE):
         proc.stop(grace_s=5.0)

@@ -57,6 +57,13 @@ __all__ = ["LlamaCppEngine", "clear_cache", "evict_except"]
 _SERVERS: OrderedDict[ServerSettings, tuple[Any, tuple]] = OrderedDict()  # settings -> (server, plan.weights_key())
 _SERVERS_LOCK = threading.Lock()  # slot threads of one engine may ask for its server at once
 
+def _physical_cores() -> int:
+    """The physical cores as Machine.probe counts them, without its torch import (psutil)."""
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
 # A token-callback returns True to stop the request (llama.cpp then frees the slot).
 OnTokens = Callable[[list[int], list[float], str], bool]
 
@@ -146,7 +153,7 @@ class LlamaCppEngine(Engine):
         if reason:
             raise EngineError(f"the llama_cpp runtime cannot serve this plan: {reason}")
         source = resolve(plan.source)
-        cores = (machine or Machine.probe()).physical_cores if plan.hardware.threads == "auto" else None
+        cores = machine.physical_cores if machine is not None else _physical_cores()  # the count when the plan pins none (settings.server_settings)
         settings = server_settings(plan, str(model_file(plan, source.path, progress=progress)), physical_cores=cores)
         start = _starter(settings)
         if settings not in _SERVERS:
