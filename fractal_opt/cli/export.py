@@ -34,7 +34,9 @@ def export_command(args: argparse.Namespace) -> int:
         model_path = str(resolved.path) if resolved.path is not None else plan.source
     except FractalOptError:
         model_path = plan.source
-    out = export(plan, args.target, passes=recipe.passes, model_path=model_path, measured=_measured(Path(source).parent), host=args.host, port=args.port)
+    trace = _trace(Path(source).parent)
+    out = export(plan, args.target, passes=recipe.passes, model_path=model_path, measured=_measured(trace), host=args.host, port=args.port,
+                 threads=_recorded_threads(trace, plan.hardware.runtime))
     print(out.to_text())
     if args.write:
         folder = Path(args.write)
@@ -45,14 +47,35 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measured(run_dir: Path) -> str | None:
-    """The machine the run measured on, from its trace.json (None without one)."""
+def _trace(run_dir: Path) -> dict:
+    """The run's trace.json beside its recipe.yaml ({} without one, or when it does not parse)."""
     try:
-        machine = json.loads((run_dir / "trace.json").read_text(encoding="utf-8")).get("machine") or {}
+        data = json.loads((run_dir / "trace.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _measured(trace: dict) -> str | None:
+    """The machine the run measured on, from its trace.json (None without one)."""
+    machine = trace.get("machine") or {}
     parts = [machine.get("cpu"), f"{machine['physical_cores']} cores" if machine.get("physical_cores") else None]
     gpus = machine.get("cuda_devices") or []
     if gpus:
         parts.append(", ".join(map(str, gpus)))
     return ", ".join(p for p in parts if p) or None
+
+
+def _recorded_threads(trace: dict, runtime: str) -> int | None:
+    """The thread count the final plan ran with (:meth:`Trace.ran_threads`); None without a
+    trace, or when its final plan is on another runtime than the recipe's (a hand-edited recipe)."""
+    from ..pipeline.trace import Trace
+
+    try:
+        ran = Trace.from_dict(trace) if trace else None
+    except (ValueError, TypeError, KeyError):
+        return None
+    final = ran.final_step() if ran is not None else None
+    if final is None or (final.plan.get("hardware") or {}).get("runtime", runtime) != runtime:
+        return None
+    return ran.ran_threads()

@@ -190,7 +190,12 @@ class Trace:
             raise TraceSchemaError(f"{path}: {e}") from None
 
     def to_recipe(self):
-        """The kept passes as a Recipe (same model, workload, policy and quality settings)."""
+        """The kept passes as a Recipe (same model, workload, policy and quality settings).
+
+        When the kept plan leaves the thread count to its runtime (no threads step was kept), the
+        recipe also pins the count the runtime reported it ran with (its census ``threads``), so
+        the plan served and exported is the one measured, and a server beside other work runs a
+        known count instead of whatever the next machine's default is."""
         from ..recipe import parse_recipe
 
         data = dict(self.recipe)
@@ -198,8 +203,23 @@ class Trace:
         for s in self.steps:
             if s.status == "kept":
                 kept.setdefault(s.layer, []).append({s.pass_name: s.params})
+        final = self.final_step()
+        if final is not None and (final.plan.get("hardware") or {}).get("threads") is None and (count := self.ran_threads()) is not None:
+            kept.setdefault("hardware", []).append({"threads": {"count": count}})
         data["passes"] = kept
         return parse_recipe(data, where="trace", check_model=False)
+
+    def final_step(self) -> Step | None:
+        """The step whose plan is the kept plan: the last kept step, else the baseline."""
+        kept = [s for s in self.steps if s.status == "kept"]
+        return kept[-1] if kept else self.baseline
+
+    def ran_threads(self) -> int | None:
+        """The thread count the kept plan ran with, as its runtime reported it (the census
+        ``threads`` of :meth:`final_step`); None when the runtime's census does not say."""
+        final = self.final_step()
+        count = final.census.get("threads") if final is not None else None
+        return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
 
     # ------------------------------------------------------------------ rendering
     def rows(self) -> list[list[str]]:

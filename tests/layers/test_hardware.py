@@ -257,6 +257,20 @@ def test_threads_on_another_runtime_are_measured_against_its_own_default():
     assert "already runs 2" in Threads(count=2).check(on_llama.replace_section("hardware", threads=2), machine)
 
 
+
+def test_threads_on_llama_cpp_set_its_decode_and_batch_threads():
+    """On llama.cpp the threads pass's count reaches n_threads and prefill's batch threads; without a count the machine's physical cores are passed, stated."""
+    pytest.importorskip("xllamacpp")
+    from fractal_opt.layers.hardware import Threads
+    from fractal_opt.plan import Plan
+    from fractal_opt.runtimes.llama_cpp.settings import common_params, server_settings
+
+    on_llama = Plan(source="x").replace_section("hardware", runtime="llama_cpp")
+    p = common_params(server_settings(Threads(count=1).apply(on_llama), "m.gguf", physical_cores=2))
+    assert (p.cpuparams.n_threads, p.cpuparams_batch.n_threads) == (1, 1)
+    assert server_settings(on_llama, "m.gguf", physical_cores=3).threads == 3
+    assert server_settings(Threads(count="auto").apply(on_llama), "m.gguf", physical_cores=3).threads == 3
+
 # --------------------------------------------------------------------------- prepack
 
 

@@ -216,3 +216,17 @@ def _progress_on_clock(monkeypatch, readings):
     monkeypatch.setattr("fractal_opt.pipeline.progress.time.perf_counter", lambda: next(clock))
     out = io.StringIO()
     return Progress(stream=out), out
+
+
+def test_the_tuned_recipe_pins_the_thread_count_the_kept_plan_ran_with():
+    """A kept plan that leaves threads to its runtime is written with the count its census recorded; a plan that set threads keeps its own."""
+    trace = _trace()
+    trace.steps[-1].plan = Plan(source="org/not-local").replace_section("hardware", runtime="llama_cpp").to_dict()
+    trace.steps[-1].census = {"threads": 2}
+    recipe = trace.to_recipe()
+    assert recipe.plan().hardware.threads == 2 and trace.ran_threads() == 2
+    trace.steps[-1].plan = Plan(source="org/not-local").replace_section("hardware", threads="auto").to_dict()
+    assert trace.to_recipe().plan().hardware.threads is None  # auto belongs to a kept step; nothing is added on top of it
+    trace.steps[-1].census = {}
+    trace.steps[-1].plan = Plan(source="org/not-local").to_dict()
+    assert trace.to_recipe().plan().hardware.threads is None  # a runtime that does not say: nothing invented

@@ -188,3 +188,48 @@ def test_a_run_folder_stands_for_its_tuned_recipe(tmp_path):
     assert recipe_source(tmp_path) == tmp_path / "recipe.yaml"
     assert recipe_source(str(tmp_path / "recipe.yaml")) == str(tmp_path / "recipe.yaml")  # a file stays itself
     assert recipe_source({"model": "x"}) == {"model": "x"}
+
+
+def test_servers_that_cannot_read_a_gguf_get_the_converted_folder_and_its_tokenizer(monkeypatch, tmp_path):
+    """A GGUF source exports as the safetensors folder the transformers / vLLM runtimes measured (vLLM also gets --tokenizer); llama-server keeps the GGUF."""
+    import fractal_opt.models as models
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    folder = tmp_path / "converted"
+    monkeypatch.setattr(models, "materialize", lambda source, progress=print: str(folder) if source.path == gguf.resolve() else "unexpected")
+    plan = Plan(source=str(gguf))
+    ts = export(plan, "transformers-serve")
+    assert ts.command[:3] == ["transformers", "serve", str(folder)] and any(str(folder) in r for r in ts.remarks)
+    vl = export(plan, "vllm")
+    assert vl.command[:5] == ["vllm", "serve", str(folder), "--tokenizer", str(folder)]
+    assert export(plan.replace_section("hardware", runtime="llama_cpp"), "llama-server").command[:3] == ["llama-server", "--model", str(gguf)]
+
+
+def test_a_plan_without_a_pinned_count_exports_the_count_it_ran_with():
+    """threads auto or unset: llama-server gets --threads / --threads-batch with the recorded count, said to be the measuring machine's."""
+    plan = Plan(source="m.gguf").replace_section("hardware", runtime="llama_cpp")
+    for threads in (None, "auto"):
+        out = export(plan.replace_section("hardware", threads=threads), "llama-server", threads=2)
+        flags = dict(zip(out.command, out.command[1:]))
+        assert flags["--threads"] == "2" and flags["--threads-batch"] == "2"
+        assert any("measured plan ran with" in r for r in out.remarks) and "hardware.threads" not in {f for f, _, _ in out.lost}
+    pinned = export(plan.replace_section("hardware", threads=1), "llama-server", threads=2)
+    assert dict(zip(pinned.command, pinned.command[1:]))["--threads"] == "1" and not pinned.remarks
+    unknown = export(plan.replace_section("hardware", threads="auto"), "llama-server")
+    assert "--threads" not in unknown.command and "hardware.threads" in {f for f, _, _ in unknown.lost}
+    ts = export(Plan(source="m").replace_section("hardware", threads="auto"), "transformers-serve", threads=2)
+    assert ts.env["OMP_NUM_THREADS"] == "2"
+
+
+def test_the_cli_passes_the_thread_count_the_run_recorded(tmp_path, capsys):
+    """A run folder whose final plan's census says 2 threads exports --threads 2 for a plan with threads auto."""
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({"model": "some-org/some-model", "passes": {"hardware": [{"threads": {"count": "auto"}}]}}), encoding="utf-8")
+    plan = Plan(source="some-org/some-model").replace_section("hardware", threads="auto").to_dict()
+    step = {"pass": "threads", "layer": "hardware", "params": {"count": "auto"}, "status": "kept", "reason": "", "plan": plan, "census": {"threads": 2}}
+    trace = {"schema_version": 2, "run": {}, "recipe": {"model": "some-org/some-model"}, "machine": {"cpu": "X", "physical_cores": 2},
+             "baseline": {**step, "pass": "baseline", "status": "baseline", "census": {"threads": 4}}, "steps": [step]}
+    (tmp_path / "trace.json").write_text(json.dumps(trace), encoding="utf-8")
+    assert main(["export", str(tmp_path), "--to", "transformers-serve"]) == 0
+    text = capsys.readouterr().out
+    assert "OMP_NUM_THREADS=2 transformers serve" in text and "the count the measured plan ran with" in text

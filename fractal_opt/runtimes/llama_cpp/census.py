@@ -84,6 +84,7 @@ def gguf_census(settings: ServerSettings, *, context_cap: int | None) -> dict[st
         "kv_bytes_per_1k_tokens_plain": plain,  # llama.cpp's default f16 cache
         "kv_bytes_saved_per_1k_tokens": plain - stored,
         "kv_bytes_allocated": stored * settings.kv_tokens // 1000,
+        "threads": settings.threads,  # n_threads and the batch threads it ran with (what an export passes)
         "llama_cpp": describe(settings),
     }
     if context_cap is not None:

@@ -51,7 +51,7 @@ class ServerSettings:
     """Everything fixed when an ``xllamacpp.Server`` loads; equal settings share one loaded server."""
 
     model_path: str
-    threads: int | None  # None = llama.cpp's default (its own count of the machine's cores)
+    threads: int | None  # decode threads, and prefill's batch threads; None = llama.cpp's default (its own count of the physical cores)
     slots: int  # n_parallel: requests decoded together by llama.cpp's continuous batching
     kv_tokens: int  # n_ctx: tokens the whole KV cache holds (all slots together)
     unified: bool  # True: slots share the kv_tokens pool; False: each slot owns kv_tokens / slots
@@ -175,10 +175,13 @@ def _kv_tokens(plan: Plan) -> int:
 
 
 def server_settings(plan: Plan, model_path: str, *, physical_cores: int | None = None) -> ServerSettings:
-    """The load-time settings for ``plan``. ``physical_cores`` resolves ``threads: auto``."""
+    """The load-time settings for ``plan``. ``physical_cores`` resolves ``threads: auto`` and a
+    plan that sets no count: llama.cpp's own default is the physical cores too (common's
+    ``cpu_get_num_math``), and stated, the count is what the census records, the export passes
+    and ``n_threads`` / the batch threads get."""
     hw, m, s = plan.hardware, plan.model, plan.scheduling
     threads = hw.threads
-    if threads == "auto":
+    if not isinstance(threads, int):
         threads = physical_cores
     cache_type = KV_CACHE_TYPES[m.kv_bits] if m.kv_cache == "quantized" else "f16"
     return ServerSettings(

@@ -114,8 +114,9 @@ class TransformersEngine(Engine):
         return engine
 
     def census(self) -> dict[str, Any]:
-        """What the built model holds (weights by storage type, quantized layers) and the KV-cache arithmetic of the plan."""
-        return census(self.model, self.plan)
+        """What the built model holds (weights by storage type, quantized layers), the KV-cache
+        arithmetic of the plan, and the thread count it runs with (what an export passes)."""
+        return {**census(self.model, self.plan), "threads": self.threads}
 
     def check_context(self, prompt_tokens: int, budget: int) -> None:
         """Refuse a request whose prompt plus token budget exceeds the plan's context cap.
