@@ -33,6 +33,7 @@ def _by_name(checks):
     return {c.name: c for c in checks}
 
 
+@pytest.mark.integration  # starts CPU-burner processes
 def test_busy_machine_is_flagged():
     """A CPU burner on every core: the load check warns and names the burners."""
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]

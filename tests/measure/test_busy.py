@@ -100,6 +100,7 @@ def _measurer(workload: Workload, *, busy_reading: BusySnapshot = QUIET, notes: 
                         busy=lambda: busy_reading, note=(notes.append if notes is not None else None), **kwargs)
 
 
+@pytest.mark.integration  # starts CPU-burner processes
 def test_snapshot_sees_other_processes_and_not_this_one():
     """Spinning processes make the machine busy; this process's own spinning thread is not counted."""
     stop = threading.Event()
@@ -178,6 +179,7 @@ def test_wait_quiet_runs_before_the_calibration(monkeypatch):
     assert calls == [30]
 
 
+@pytest.mark.integration  # starts CPU-burner processes
 def test_calibration_next_to_a_cpu_burner_warns_in_the_report(tmp_path, mixed_suite, monkeypatch):
     """The issue's check: a run whose calibration shares the CPU with spinning processes says in
     report.md that the machine was busy, with the load and the processes seen at the start.

@@ -131,6 +131,7 @@ def test_poisson_arrivals_spread_submissions_over_time(tiny_dir):
     assert submits[-1] - submits[0] > 0.05  # 11 gaps of mean 25 ms; instant submission takes < 10 ms
 
 
+@pytest.mark.integration  # a server on the tiny model under load: ~3 s
 def test_measure_under_load_reports_throughput_and_percentiles(tiny_dir):
     """A load measurement gives aggregate tokens/s and TTFT / ITL percentiles per round, with TTFT as the caller saw it."""
     wl = Workload(suite="default", max_new_tokens=8, repeats=2, warmup=0,

@@ -195,6 +195,7 @@ def test_resume_and_force_exclude_each_other(journaled_run):
     assert code == 2
 
 
+@pytest.mark.integration
 def test_a_torn_last_line_is_dropped(finished_run):
     """A kill in the middle of an append leaves half a line: reading stops before it, resuming cuts
     exactly those bytes off (every whole record stays byte for byte) and the next append starts on a line of its own."""
@@ -237,6 +238,7 @@ def finished_run(tmp_path, monkeypatch):
     return recipe, out
 
 
+@pytest.mark.integration
 def test_resuming_a_finished_run_measures_nothing_and_gives_the_same_result(finished_run):
     """--resume on a finished run: the steps and the final confirmation come from the journal, no
     engine is built, the result is the same and trace.json says finished; --reconfirm measures the
@@ -279,6 +281,7 @@ CORRUPTIONS = {  # name -> (line, the line's new text from the run's own records
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", list(CORRUPTIONS))
 def test_a_malformed_journal_line_refuses_to_resume_naming_it(finished_run, name, capsys, monkeypatch):
     """Every malformed record (a null fingerprint, a list, a step without position or out of order,

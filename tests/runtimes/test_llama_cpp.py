@@ -143,6 +143,7 @@ def test_decoding_fields_reuse_the_loaded_model_and_stop_cuts_the_text(engine: L
     assert g.text and " " not in g.text and not g.hit_cap
 
 
+@pytest.mark.integration  # serves the embedded SmolLM2 GGUF
 def test_quantized_kv_cache_maps_to_q8_0() -> None:
     """kv_bits 8 loads llama.cpp with a q8_0 cache: about half the f16 bytes, and it still answers."""
     pytest.importorskip("xllamacpp", reason="xllamacpp is not installed (pip install xllamacpp)")
