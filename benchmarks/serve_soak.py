@@ -1,0 +1,245 @@
+"""Soak `fractal-opt serve`: many concurrent clients for minutes, a third of them hanging up at random.
+
+Starts ``fractal-opt serve RUN_DIR`` as a user would (a subprocess, the real CLI), then runs
+``--clients`` clients for ``--duration-s``: each sends chat requests one after another, streamed or
+not (half each), and a ``--hangup`` share of them close the connection at a random moment
+(0-1 s after sending). A 429 (full queue) is retried after its Retry-After. Afterwards it checks:
+
+- every request ends exactly once: the server's own count (``fractal_opt_requests_total`` over
+  every status: done, cancelled, timeout, error, refused) equals the requests the clients sent,
+  and the server holds none (/health: nothing queued or live);
+- the server's memory (RSS of serve and its children) and open file descriptors level off: the
+  last third of the run's samples peaks within 5% (+5 MB) and 10 descriptors of the middle third;
+- end-to-end latency p50 / p99 of the answered requests, and time to first token of the streamed ones.
+
+The clients speak HTTP/1.1 over asyncio streams (no client library: one process holds hundreds
+of connections cheaply, and a hang-up is a plain close).
+
+Usage:
+    fractal-opt run recipe.yaml --out /tmp/soak-run         # a tuned plan (e.g. the llama.cpp runtime)
+    flock /tmp/fractal-bench.lock .venv/bin/python benchmarks/serve_soak.py /tmp/soak-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["Name three colours of the rainbow.", "What is the capital of France?", "Write one sentence about the sea.",
+           "Give me a synonym for happy.", "What is 12 times 12?", "Say hello in Spanish."]
+
+
+@dataclass
+class Record:
+    stream: bool
+    hangup: bool
+    start: float
+    end: float = 0.0
+    first: float | None = None  # the first content chunk (streamed)
+    status: int = 0  # HTTP status; 0 when the client hung up before the status line
+    outcome: str = ""  # answered | hung_up | refused | error
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run", help="a run folder (fractal-opt run --out) or a recipe, served with fractal-opt serve")
+    p.add_argument("--clients", type=int, default=200)
+    p.add_argument("--duration-s", type=float, default=300.0)
+    p.add_argument("--hangup", type=float, default=1 / 3, help="share of clients that hang up at random (default a third)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+    port = _free_port()
+    load_before = os.getloadavg()
+    serve = subprocess.Popen([sys.executable, "-m", "fractal_opt", "serve", args.run, "--port", str(port), "--log-level", "warning",
+                              "--max-connections", str(4 * args.clients)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_ready(base, serve)
+        samples: list[tuple[float, float, int]] = []
+        records = asyncio.run(_soak(port, args, rng, serve.pid, samples))
+        drained = _drain(base)
+        counted = _server_count(base)
+    finally:
+        serve.terminate()
+        try:
+            serve.wait(60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+    _report(args, records, samples, drained, counted, load_before, os.getloadavg())
+    return 0
+
+
+async def _soak(port: int, args: argparse.Namespace, rng: random.Random, pid: int, samples: list) -> list[Record]:
+    records: list[Record] = []
+    end = time.perf_counter() + args.duration_s
+    hangers = set(rng.sample(range(args.clients), round(args.clients * args.hangup)))
+    clients = [asyncio.create_task(_client(i, port, end, i in hangers, random.Random(args.seed * 1000 + i), args.max_tokens, records))
+               for i in range(args.clients)]
+    sampler = asyncio.create_task(_sample(pid, end, samples))
+    await asyncio.gather(*clients)
+    await sampler
+    return records
+
+
+async def _client(i: int, port: int, end: float, hangs: bool, rng: random.Random, max_tokens: int, records: list[Record]) -> None:
+    await asyncio.sleep(rng.uniform(0, 2.0))  # the clients arrive over two seconds, not in one burst
+    while time.perf_counter() < end:
+        stream = rng.random() < 0.5
+        hangup_s = rng.uniform(0.0, 1.0) if hangs and rng.random() < 0.5 else None
+        body = {"messages": [{"role": "user", "content": rng.choice(PROMPTS)}], "max_tokens": max_tokens, "stream": stream}
+        record = Record(stream=stream, hangup=hangup_s is not None, start=time.perf_counter())
+        records.append(record)
+        retry = await _request(port, body, record, hangup_s)
+        if retry:
+            await asyncio.sleep(retry)
+
+
+async def _request(port: int, body: dict, record: Record, hangup_s: float | None) -> float:
+    """One request; returns the seconds to wait before the next (a 429's Retry-After, else 0)."""
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head + payload)
+        await writer.drain()
+        read = _read_all(reader, record)
+        if hangup_s is None:
+            await read
+        else:
+            try:
+                await asyncio.wait_for(read, hangup_s)
+            except TimeoutError:
+                record.outcome = "hung_up"
+    except (OSError, asyncio.IncompleteReadError) as e:
+        record.outcome = record.outcome or f"error: {type(e).__name__}"
+    finally:
+        record.end = time.perf_counter()
+        if writer is not None:
+            writer.close()
+    if not record.outcome:
+        record.outcome = "answered" if record.status == 200 else "refused"
+    return 1.0 if record.status == 429 else 0.0
+
+
+async def _read_all(reader: asyncio.StreamReader, record: Record) -> None:
+    status = await reader.readline()
+    record.status = int(status.split()[1]) if status else 0
+    data = b""
+    while chunk := await reader.read(65536):
+        if record.stream and record.first is None and b'"content": "' in chunk and b'"content": ""' not in chunk:
+            record.first = time.perf_counter()
+        data += chunk
+    if record.status == 200 and record.stream and b"[DONE]" not in data:
+        record.outcome = "error: stream without [DONE]"
+
+
+async def _sample(pid: int, end: float, samples: list) -> None:
+    """(seconds, RSS MB of serve and its children, open fds of serve) every 5 s."""
+    start = time.perf_counter()
+    proc = psutil.Process(pid)
+    while time.perf_counter() < end:
+        procs = [proc, *proc.children(recursive=True)]
+        rss = sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
+        samples.append((time.perf_counter() - start, rss, proc.num_fds()))
+        await asyncio.sleep(5.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _wait_ready(base: str, serve: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if serve.poll() is not None:
+            raise SystemExit(f"serve exited {serve.returncode}: {serve.stderr.read()[-2000:]}")
+        try:
+            if _get(base + "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("serve did not come up within 300 s")
+
+
+def _drain(base: str) -> dict:
+    """/health once nothing is queued or live (or after 60 s)."""
+    deadline = time.monotonic() + 60
+    while True:
+        health = json.loads(_get(base + "/health")[1])
+        if (health["queued"] == 0 and health["live"] == 0) or time.monotonic() > deadline:
+            return health
+        time.sleep(0.5)
+
+
+def _server_count(base: str) -> dict[str, float]:
+    text = _get(base + "/metrics")[1].decode()
+    out: dict[str, float] = {}
+    for status, value in re.findall(r'^fractal_opt_requests_total\{endpoint="[^"]*",status="([^"]*)"\} (\S+)$', text, re.M):
+        out[status] = out.get(status, 0.0) + float(value)
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (values[0] if values else float("nan"))
+
+
+def _report(args, records: list[Record], samples: list, drained: dict, counted: dict, before: tuple, after: tuple) -> None:
+    outcomes: dict[str, int] = {}
+    for r in records:
+        key = r.outcome if r.outcome != "refused" else f"refused {r.status}"
+        outcomes[key] = outcomes.get(key, 0) + 1
+    answered = [r for r in records if r.outcome == "answered"]
+    e2e = [r.end - r.start for r in answered]
+    ttft = [r.first - r.start for r in answered if r.stream and r.first is not None]
+    third = max(1, len(samples) // 3)
+    middle, last = samples[third : 2 * third] or samples, samples[2 * third :] or samples
+    rss_mid, rss_last = max(s[1] for s in middle), max(s[1] for s in last)
+    fd_mid, fd_last = max(s[2] for s in middle), max(s[2] for s in last)
+    total = sum(counted.values())
+    print(f"fractal-opt serve soak: {args.clients} clients ({round(args.clients * args.hangup)} hanging up at random), {args.duration_s:.0f} s, "
+          f"max_tokens {args.max_tokens}, half streamed; served {args.run}")
+    print(f"load average before {before[0]:.2f} {before[1]:.2f} {before[2]:.2f}, after {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}")
+    print(f"requests sent: {len(records)}; by outcome: {dict(sorted(outcomes.items()))}")
+    print(f"server's count: {total:.0f} ({dict(sorted(counted.items()))}); after the run: queued {drained['queued']}, live {drained['live']}")
+    print(f"every request ended exactly once: {'yes' if total == len(records) and drained['queued'] == drained['live'] == 0 else 'NO'}")
+    print(f"answered: {len(answered)}; end-to-end p50 {_pct(e2e, 50):.3f} s, p99 {_pct(e2e, 99):.3f} s; "
+          f"streamed TTFT p50 {_pct(ttft, 50):.3f} s, p99 {_pct(ttft, 99):.3f} s")
+    print(f"RSS MB (serve + children) every 5 s: {[round(s[1]) for s in samples]}")
+    print(f"open fds every 5 s: {[s[2] for s in samples]}")
+    level = rss_last <= rss_mid * 1.05 + 5 and fd_last <= fd_mid + 10
+    print(f"level off (last third vs middle third): RSS {rss_mid:.0f} -> {rss_last:.0f} MB, fds {fd_mid} -> {fd_last}: {'yes' if level else 'NO'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
