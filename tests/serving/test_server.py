@@ -263,3 +263,31 @@ def test_the_server_knows_no_runtime():
             modules = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
             modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
             assert not [m for m in modules if "runtimes" in m], path.name
+
+
+def test_cancelled_requests_give_their_queue_places_back():
+    """A queue of 2 whose tickets were cancelled while waiting admits new requests; it refuses only when 2 really wait."""
+    import threading
+
+    from fractal_opt.errors import RequestRejected
+    from fractal_opt.plan import Plan
+    from fractal_opt.serving.server import Server
+    from fractal_opt.testing import FakeEngine
+
+    release = threading.Event()
+
+    class Stuck(Server):  # a worker busy with something else: nothing leaves the queue
+        def _run(self) -> None:
+            release.wait(10)
+
+    server = Stuck(FakeEngine.factory()(Plan(source="fake").replace_section("scheduling", max_queue=2)))
+    try:
+        for t in [server.submit("a"), server.submit("b")]:
+            t.cancel()
+        waiting = [server.submit("c"), server.submit("d")]
+        assert [t.status for t in waiting] == ["queued", "queued"]
+        with pytest.raises(RequestRejected, match="queue is full"):
+            server.submit("e")
+    finally:
+        release.set()
+        server.close()
