@@ -146,6 +146,26 @@ class Engine(abc.ABC):
             rows.extend(dict(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist()))
         return rows
 
+    def token_logprobs(self, input_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[dict[int, float]]:
+        """Exact teacher-forced log-probabilities of chosen tokens: row ``j`` maps each token of
+        ``tokens[j]`` to its log-probability after ``input_ids[:j + 1]`` under the full softmax (a
+        row may hold a few more known entries). ``len(tokens)`` rows, at most ``len(input_ids)``.
+        The quality probes' exact path on a runtime without cheap whole distributions (llama.cpp).
+
+        Default: read off :meth:`next_token_logprobs`; a runtime that gives neither raises
+        NotImplementedError.
+        """
+        import torch
+
+        rows: list[dict[int, float]] = []
+        for lp in self.next_token_logprobs(torch.as_tensor(list(input_ids), dtype=torch.long)):
+            for row in lp[: len(tokens) - len(rows)]:
+                chosen = list(tokens[len(rows)])
+                rows.append(dict(zip(chosen, row[chosen].tolist())))
+            if len(rows) >= len(tokens):
+                break
+        return rows
+
     def reset_response_cache(self) -> None:
         """Empty the plan's response cache and its counters (a no-op without one)."""
 

@@ -7,10 +7,13 @@
 - ``ppl_ratio``: candidate perplexity / baseline perplexity on the same text, with a 95% interval
   (``ppl_ratio_low`` / ``ppl_ratio_high``) from the per-token log-likelihood differences.
 - ``kl_method`` / ``ppl_method``: how those were computed. ``"full"`` from the candidate's full
-  distributions; on a runtime that gives only its top-k (llama.cpp, vLLM: ``Engine.top_logprobs``)
-  ``"top-k lower bound (k=20, first 256 positions)"``, the KL numbers then being lower bounds and
-  the flip rate exact (see topk.py); ``"unavailable: <why>"`` where the runtime gives neither, the
-  numbers then None (a guard on them cannot judge).
+  distributions (transformers); ``"exact (the baseline's top-256 tokens, first 256 positions)"``
+  from the candidate's exact log-probabilities of the tokens the KL needs, on a runtime without
+  cheap whole distributions (llama.cpp: ``Engine.token_logprobs``); ``"top-k lower bound (k=20,
+  first 256 positions)"`` on a runtime that gives only its top-k rows (vLLM:
+  ``Engine.top_logprobs``), the KL numbers then being lower bounds, which the policy does not judge
+  a guard on (:func:`is_lower_bound`), and the flip rate exact (see topk.py); ``"unavailable:
+  <why>"`` where the runtime gives none of these, the numbers then None.
 - ``agreement``: greedy outputs on the workload, mean over requests of the matching prefix length
   divided by the baseline output's length (1.0 = identical; strict: one early flip gives ~0);
   ``similarity`` is the gentler token-sequence similarity (difflib ratio), averaged.
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
 
     from ..engine.protocol import Engine
 
-__all__ = ["QualityConfig", "Reference", "agreement", "build_reference", "model_probes", "reference_text"]
+__all__ = ["LOWER_BOUND", "QualityConfig", "Reference", "agreement", "build_reference", "is_lower_bound", "model_probes", "reference_text"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,10 +53,10 @@ class QualityConfig:
             scores, in chunks of 512; each model-changing step pays one prefill over them.
         top_k: the k asked of a runtime that gives only top-k log-probabilities (the KL lower
             bound tightens as k grows). 20 is vLLM's default ``--max-logprobs``, its largest k.
-        top_k_positions: the first positions of the reference text such a runtime scores.
-            llama.cpp pays one request per position: on the embedded model at k=20, 256
+        top_k_positions: the first positions of the reference text a runtime without whole
+            distributions scores (llama.cpp exactly, two requests a position; vLLM by its top-k).
+            llama.cpp pays a decode step per request: on the embedded model at k=20, 256
             positions took 6.7 s on the shared 2-core CPU (load average 1.4), 1,023 took 46 s.
-            The KL bound against llama.cpp was 0.0022 over 256 positions, 0.0019 over 1,023.
         eval: a packaged eval set name (``basics``) or a .yaml/.jsonl path; scored on every step.
         eval_max_new_tokens: the answer budget for eval items.
         probes: custom probes, ``"package.module:function"``.
@@ -162,31 +165,39 @@ def build_reference(engine: Engine, outputs: dict[str, list[int]], config: Quali
 def model_probes(reference: Reference, engine: Engine) -> dict[str, Any]:
     """KL, flip rate and perplexity ratio of ``engine`` against the baseline, and how they were got.
 
-    From the candidate's full distributions where it gives them (``kl_method: "full"``); else from
-    its top-k (:meth:`Engine.top_logprobs`): the exact flip rate and a lower bound on KL
-    (``"top-k lower bound (k=.., first .. positions)"``, topk.py); else all None with
+    Exact wherever the runtime can say it: from the candidate's whole distributions
+    (:meth:`Engine.next_token_logprobs`, ``kl_method: "full"``), else from the exact
+    log-probabilities of the baseline's top tokens on the first ``reference.top_k_positions``
+    positions (:meth:`Engine.token_logprobs`, ``"exact (... first N positions)"``). Only a runtime
+    that gives neither falls back to its top-k rows (:meth:`Engine.top_logprobs`): the flip rate is
+    then exact but KL only a lower bound, which a guard cannot be judged on
+    (:func:`is_lower_bound`; the policy calls such a guard unknown). Else all None with
     ``"unavailable: <why>"``.
     """
-    try:
-        return _full_probes(reference, engine)
-    except NotImplementedError:
-        pass  # a runtime without full distributions: try its top-k
-    try:
-        return _top_k_probes(reference, engine)
-    except NotImplementedError as e:
-        why = f"unavailable: {e}"
-        return {**dict.fromkeys(_PROBE_NUMBERS), "kl_method": why, "ppl_method": why}
+    for probes in (_full_probes, _exact_probes, _top_k_probes):
+        try:
+            return probes(reference, engine)
+        except NotImplementedError as e:
+            why = f"unavailable: {e}"
+    return {**dict.fromkeys(_PROBE_NUMBERS), "kl_method": why, "ppl_method": why}
 
 
 _PROBE_NUMBERS = ("kl_mean", "kl_p99", "kl_max", "top1_flip", "ppl_ratio", "ppl_ratio_low", "ppl_ratio_high")
+LOWER_BOUND = "top-k lower bound"  # how a kl_method that is only a lower bound begins
+
+
+def is_lower_bound(kl_method: Any) -> bool:
+    """True when the KL numbers were computed as a lower bound (a runtime's top-k rows only)."""
+    return str(kl_method or "").startswith(LOWER_BOUND)
 
 
 def _full_probes(reference: Reference, engine: Engine) -> dict[str, Any]:
     """The probes from full distributions.
 
-    KL is computed over the baseline's top-K tokens plus one bucket for all other tokens: the KL
-    of these coarsened distributions, a lower bound on the full KL that equals it when the
-    baseline puts no mass outside its top K (K = 256).
+    KL is computed over the baseline's top-K tokens plus one bucket for all other tokens (K = 256):
+    the KL of these coarsened distributions, which is the metric the ``kl_*`` guards are defined on
+    (docs/quality.md). It differs from the whole-vocabulary KL only by the part of the baseline's
+    mass outside its top K.
     """
     import torch
 
@@ -195,18 +206,46 @@ def _full_probes(reference: Reference, engine: Engine) -> dict[str, Any]:
     for lp, targets in _scored(engine, reference.token_ids):
         n = lp.shape[0]
         top_ids = reference.top_ids[start : start + n]
-        base = reference.top_logprobs[start : start + n]  # [n, K]
-        cand = lp.gather(1, top_ids)  # [n, K]
-        base_rest = (1 - base.exp().sum(-1)).clamp_min(1e-12)
-        cand_rest = (1 - cand.exp().sum(-1)).clamp_min(1e-12)
-        kl = (base.exp() * (base - cand)).sum(-1) + base_rest * (base_rest.log() - cand_rest.log())
-        kls.append(kl.clamp_min(0))  # tiny negatives are rounding
+        kls.append(_coarse_kl(reference.top_logprobs[start : start + n], lp.gather(1, top_ids)))
         flips.append(lp.gather(1, top_ids[:, :1])[:, 0] < lp.max(-1).values)  # a tie for first is no flip (topk.py)
         nlls.append(-lp.gather(1, targets.view(-1, 1))[:, 0])
         start += n
     kl = torch.cat(kls)
     return {**_kl_numbers(kl), "top1_flip": round(torch.cat(flips).float().mean().item(), 4),
             **_ppl_numbers(torch.cat(nlls) - reference.token_nll), "kl_method": "full", "ppl_method": "full"}
+
+
+def _coarse_kl(base: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """KL(baseline || candidate) per position [n] over the baseline's top-K tokens and one bucket
+    for the rest, from both sides' log-probabilities of those K tokens ([n, K])."""
+    base_rest = (1 - base.exp().sum(-1)).clamp_min(1e-12)
+    cand_rest = (1 - cand.exp().sum(-1)).clamp_min(1e-12)
+    kl = (base.exp() * (base - cand)).sum(-1) + base_rest * (base_rest.log() - cand_rest.log())
+    return kl.clamp_min(0)  # tiny negatives are rounding
+
+
+def _exact_probes(reference: Reference, engine: Engine) -> dict[str, Any]:
+    """The same numbers as :func:`_full_probes` on the first ``reference.top_k_positions``
+    positions, from the candidate's exact log-probabilities of the baseline's top-K tokens and of
+    the actual next token (:meth:`Engine.token_logprobs`; the row also holds the candidate's most
+    likely token, so the flip rate is exact)."""
+    import torch
+
+    from .topk import flipped
+
+    n = min(reference.top_k_positions, reference.top_ids.shape[0])
+    top_ids, targets = reference.top_ids[:n].tolist(), reference.token_ids[1 : n + 1].tolist()
+    rows = engine.token_logprobs(reference.token_ids[:n].tolist(), [ids + [t] for ids, t in zip(top_ids, targets)])
+    if len(rows) < n:
+        msg = f"{type(engine).__name__}.token_logprobs returned {len(rows)} rows for {n} positions"
+        raise ValueError(msg)
+    cand = torch.tensor([[row[t] for t in ids] for row, ids in zip(rows, top_ids)], dtype=torch.float64)
+    kl = _coarse_kl(reference.top_logprobs[:n].double(), cand)
+    flips = [flipped(row, ids[0]) for row, ids in zip(rows, top_ids)]
+    nll = torch.tensor([-row[t] for row, t in zip(rows, targets)])
+    method = f"exact (the baseline's top-{reference.top_ids.shape[1]} tokens, first {n} positions)"
+    return {**_kl_numbers(kl), "top1_flip": round(sum(flips) / n, 4), **_ppl_numbers(nll - reference.token_nll[:n]),
+            "kl_method": method, "ppl_method": method}
 
 
 def _top_k_probes(reference: Reference, engine: Engine) -> dict[str, Any]:
@@ -240,7 +279,7 @@ def _top_k_probes(reference: Reference, engine: Engine) -> dict[str, Any]:
     else:
         out.update(_ppl_numbers(torch.tensor(nlls) - reference.token_nll[:n]))
         ppl_method = f"top-k (k={k}, first {n} positions; the actual next token is in every row)"
-    return {**out, "kl_method": f"top-k lower bound (k={k}, first {n} positions)", "ppl_method": ppl_method}
+    return {**out, "kl_method": f"{LOWER_BOUND} (k={k}, first {n} positions)", "ppl_method": ppl_method}
 
 
 def _kl_numbers(kl: torch.Tensor) -> dict[str, float]:

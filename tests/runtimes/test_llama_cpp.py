@@ -168,13 +168,20 @@ def test_census_counts_the_gguf_tensors(engine: LlamaCppEngine) -> None:
 
 
 @pytest.mark.integration  # serves the embedded SmolLM2 GGUF
-def test_no_full_distributions_but_teacher_forced_top_k(engine: LlamaCppEngine) -> None:
-    """next_token_logprobs refuses and names top_logprobs, which gives k log-probs per position."""
-    with pytest.raises(NotImplementedError, match="top_logprobs"):
+def test_no_full_distributions_but_teacher_forced_top_k_and_exact_tokens(engine: LlamaCppEngine) -> None:
+    """next_token_logprobs refuses naming token_logprobs; top_logprobs gives k per position; token_logprobs
+    gives the asked tokens' exact log-probabilities, matching top_logprobs where both know a token."""
+    with pytest.raises(NotImplementedError, match="token_logprobs"):
         engine.next_token_logprobs([1, 2, 3])
-    rows = engine.top_logprobs([504, 3575, 282, 4649, 314], k=3)  # "The capital of France is"
+    ids = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+    rows = engine.top_logprobs(ids, k=3)
     assert len(rows) == 5 and all(len(r) == 3 for r in rows)
     assert all(all(v <= 0 for v in r.values()) for r in rows)
+    asked = [sorted(r) + [42] for r in rows]  # each position's top 3 and a token far down the list
+    exact = engine.token_logprobs(ids, asked)
+    assert len(exact) == 5 and all(set(a) <= set(e) for a, e in zip(asked, exact, strict=True))
+    assert all(abs(exact[j][t] - rows[j][t]) < 1e-3 for j in range(5) for t in rows[j])
+    assert all(exact[j][42] < min(rows[j].values()) for j in range(5))
 
 
 @pytest.mark.parametrize(

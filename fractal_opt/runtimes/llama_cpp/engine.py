@@ -46,6 +46,7 @@ from ...models import resolve
 from ...plan import Plan
 from ...serving.sampling import Decoding
 from ...workload import Request
+from . import logprobs
 from .census import eos_token_id, gguf_census
 from .process import LlamaServerProcess
 from .requantize import model_file
@@ -335,42 +336,42 @@ class LlamaCppEngine(Engine):
 
     # ------------------------------------------------------------------ quality probes
     def next_token_logprobs(self, input_ids: Any, *, chunk: int = 512) -> Iterator[Any]:
-        """Not available: llama.cpp's server returns log-probabilities of the top-k tokens only,
-        never the full vocabulary distribution the KL probe needs. See :meth:`top_logprobs`."""
+        """Not available: a whole-vocabulary row costs llama.cpp's server ~870 ms a position
+        (:mod:`.logprobs`). :meth:`token_logprobs` gives the KL probe's tokens exactly instead."""
         raise NotImplementedError(
-            "the llama_cpp runtime gives no full teacher-forced distributions (llama.cpp's server returns top-k "
-            "log-probabilities only); LlamaCppEngine.top_logprobs(ids, k=...) gives teacher-forced top-k"
+            "the llama_cpp runtime gives no full teacher-forced distributions (a whole-vocabulary row costs ~870 ms a position); "
+            "LlamaCppEngine.token_logprobs(ids, tokens) gives chosen tokens' log-probabilities exactly"
         )
 
     def top_logprobs(self, input_ids: Sequence[int], *, k: int) -> list[dict[int, float]]:
-        """Teacher-forced top-``k`` next-token log-probabilities at every position of ``input_ids``.
-
-        Row ``j`` holds the ``k`` most likely next tokens after ``input_ids[:j + 1]`` with their
-        log-probabilities under the full softmax (llama.cpp's ``n_probs``: raw logits, before
-        sampling), the same rows :meth:`next_token_logprobs` would give, truncated to the top k.
-        One request per position, each reusing the previous prefix's KV cache (``cache_prompt``),
-        so a position costs one decode step: 26 ms at k=20 on the embedded model (2-core CPU, load 1.4).
-        The quality probes turn the rows into an exact flip rate and a KL lower bound
-        (:mod:`fractal_opt.quality.topk`).
+        """Teacher-forced top-``k`` next-token log-probabilities at every position of ``input_ids``
+        (llama.cpp's ``n_probs``: raw logits, before sampling; :mod:`.logprobs`). One request per
+        position, each reusing the previous prefix's KV cache: 26 ms at k=20 on the embedded model
+        (2-core CPU, load 1.4).
 
         Raises:
             RequestRejected: ``input_ids`` is longer than the context per request.
             EngineError: the engine is closed, or llama.cpp failed at a position.
         """
+        return logprobs.top_logprobs(self._scoring_server(input_ids), [int(t) for t in input_ids], k=k)
+
+    def token_logprobs(self, input_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[dict[int, float]]:
+        """Exact teacher-forced log-probabilities of the chosen ``tokens[j]`` after
+        ``input_ids[:j + 1]`` (two requests a position: :mod:`.logprobs` says how).
+
+        Raises:
+            RequestRejected: ``input_ids`` is longer than the context per request.
+            EngineError: the engine is closed, or llama.cpp failed at a position.
+        """
+        return logprobs.token_logprobs(self._scoring_server(input_ids), [int(t) for t in input_ids], tokens)
+
+    def _scoring_server(self, input_ids: Sequence[int]) -> Any:
         if self.model is None:
             raise EngineError("the engine is closed: build a new one with LlamaCppEngine.build(plan)")
-        ids = [int(t) for t in input_ids]
-        if len(ids) > self.settings.context_per_request:
-            raise RequestRejected(f"top_logprobs: {len(ids)} tokens exceed the context per request ({self.settings.context_per_request}); pass a shorter text or raise context_cap")
-        rows: list[dict[int, float]] = []
-        for j in range(1, len(ids) + 1):
-            body = {"prompt": ids[:j], "max_tokens": 1, "n_probs": k, "temperature": 0.0, "top_k": 1, "cache_prompt": True, "stream": False}
-            out = self.model.handle_completions(body)
-            if "error" in out:
-                raise EngineError(f"top_logprobs: llama.cpp failed at position {j}: {out['error'].get('message', out['error'])}")
-            content = ((out["choices"][0].get("logprobs") or {}).get("content") or [{}])[0]
-            rows.append({int(t["id"]): float(t["logprob"]) for t in content.get("top_logprobs", [])})
-        return rows
+        if len(input_ids) > self.settings.context_per_request:
+            raise RequestRejected(f"{len(input_ids)} tokens to score exceed the context per request ({self.settings.context_per_request}); "
+                                  "pass a shorter text or raise context_cap")
+        return self.model
 
 
 _TOKENIZERS: dict[str, Any] = {}
