@@ -37,29 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import RecipeError, closest
+from .guards import ALL_METRICS, CENSUS_METRICS, LIMITS, QUALITY_METRICS, Evidence, Guard, finite, move
 from .measure.metrics import METRICS
 from .passes import Layer
 
-__all__ = ["DEFAULT_OBJECTIVES", "LATENCY_GUARDS", "Guard", "Policy", "Verdict"]
-
-QUALITY_METRICS: dict[str, bool] = {  # metric -> True when higher is better
-    "kl_mean": False,
-    "kl_p99": False,
-    "kl_max": False,
-    "top1_flip": False,
-    "ppl_ratio": False,
-    "ppl_ratio_low": False,
-    "ppl_ratio_high": False,
-    "agreement": True,
-    "similarity": True,
-    "accuracy": True,
-    "path_agreement": True,
-}
-# Read from the engine's census, not a clock: the bytes the plan's weights hold. Guarded because
-# peak RSS cannot show a weight change while the previous plan's model is resident for interleaved
-# measurement (docs/metrics.md).
-CENSUS_METRICS: dict[str, bool] = {"weight_mb": False}
-ALL_METRICS = {**METRICS, **QUALITY_METRICS, **CENSUS_METRICS}
+__all__ = ["ALL_METRICS", "CENSUS_METRICS", "DEFAULT_OBJECTIVES", "LATENCY_GUARDS", "QUALITY_METRICS", "Guard", "Policy", "Verdict"]
 
 DEFAULT_OBJECTIVES = {
     Layer.HARDWARE: "decode_tokens_per_s",
@@ -88,23 +70,6 @@ DEFAULT_GUARDS = {"kl_mean": {"max": 0.05}, "accuracy": {"max_drop": 0.1}}  # ac
 LATENCY_GUARDS: dict[Layer, dict[str, dict[str, float]]] = {
     Layer.SCHEDULING: {"ttft_ms_p90": {"max_regression": 0.5}, "itl_ms_p90": {"max_regression": 1.5}},
 }
-
-
-@dataclass(frozen=True, kw_only=True)
-class Guard:
-    """A limit on one metric: absolute ``min`` / ``max``, ``max_regression`` (relative, vs the
-    previous kept plan, beyond noise) or ``max_drop`` (absolute decrease vs the baseline, e.g. accuracy)."""
-
-    metric: str
-    min: float | None = None
-    max: float | None = None
-    max_regression: float | None = None
-    max_drop: float | None = None
-
-    def describe(self) -> str:
-        limits = (("min", self.min), ("max", self.max), ("max_regression", self.max_regression), ("max_drop", self.max_drop))
-        parts = [f"{k} {v:.0%}" if k == "max_regression" else f"{k} {v:g}" for k, v in limits if v is not None]  # max_regression is relative
-        return f"{self.metric} " + ", ".join(parts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,9 +128,13 @@ class Policy:
             if not isinstance(spec, dict) or not spec:
                 raise RecipeError(f"policy.guards.{metric}: expected a mapping like {{max: 0.05}}, got {spec!r}.")
             for key, value in spec.items():
-                if key not in ("min", "max", "max_regression", "max_drop"):
-                    valid = ["max", "max_drop", "max_regression", "min"]
+                if key not in (*LIMITS, "accept_unknown"):
+                    valid = sorted((*LIMITS, "accept_unknown"))
                     raise RecipeError(f"policy.guards.{metric}: unknown limit {key!r}. Valid limits are: {valid}.{closest(key, valid)}")
+                if key == "accept_unknown":
+                    if not isinstance(value, bool):
+                        raise RecipeError(f"policy.guards.{metric}.accept_unknown: got {value!r}, expected true or false.")
+                    continue
                 if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
                     raise RecipeError(f"policy.guards.{metric}.{key}: got {value!r}, expected a finite number.")
         for name in ("max_regression", "min_effect"):
@@ -184,8 +153,9 @@ class Policy:
             # A serving path (batching, continuous batching) must give the same greedy tokens as
             # the path it replaces; a divergence is a quality regression, not a speed-up.
             specs["path_agreement"] = {"min": 1.0}
-        specs.update(self.guards)
-        return [Guard(metric=m, **spec) for m, spec in specs.items() if spec]
+        for metric, spec in self.guards.items():
+            specs[metric] = None if spec is None else _merged(specs.get(metric), spec)
+        return [Guard(metric=m, **spec) for m, spec in specs.items() if spec and any(k in LIMITS for k in spec)]
 
     def judge(
         self,
@@ -201,115 +171,70 @@ class Policy:
         ``changes`` relative changes (paired), ``bands`` the noise band per metric, ``baseline``
         the baseline's numbers (for ``max_drop``), ``intervals`` the 95% interval ``[low, high]``
         of each paired change (quoted next to the estimate in the reason)."""
-        objective = self.objective_for(layer)
-        intervals = intervals or {}
+        ev = Evidence(before=before, after=after, changes=changes, bands=bands, baseline=baseline or {}, intervals=intervals or {})
         trips: list[str] = []
-        notes: list[str] = []  # what the verdict could not judge, or judged on a bound
+        notes: list[str] = []  # what the verdict could not judge, or chose not to
         in_force: list[str] = []
-
-        def move(metric: str, change: float) -> str:
-            return _move(metric, before, after, change, intervals.get(metric))
-
         for guard in self.guards_for(layer):
-            value = after.get(guard.metric)
-            if value is None:
-                if guard.metric in QUALITY_METRICS and guard.metric in after:  # probed, not measurable (quality.probes kl_method)
-                    notes.append(f"guard {guard.metric} not measurable on this runtime ({after.get('kl_method') or 'no value'})")
-                continue
-            in_force.append(guard.describe())
-            if not _finite(value):  # NaN > limit is False: without this a NaN would pass every guard
-                trips.append(f"guard {guard.describe()} tripped: {guard.metric} is not finite ({value!r})")
-                continue
-            if guard.metric.startswith("kl_") and str(after.get("kl_method", "full")).startswith("top-k"):
-                notes.append(f"guard {guard.metric} judged a lower bound ({after['kl_method']}): it can only be too lenient")
-            prev = before.get(guard.metric)
-            for bound, limit, broken in (("max", guard.max, lambda v, lim: v > lim), ("min", guard.min, lambda v, lim: v < lim)):
-                if limit is None or not broken(value, limit):
-                    continue
-                # A speed or memory limit (an SLO) the previous plan already breaks does not block a
-                # step that is no further from it: the step is judged on its objective, and a later
-                # step (batching, a concurrency limit) may still meet the SLO. Quality limits always trip.
-                if guard.metric in METRICS and prev is not None and _finite(prev) and broken(prev, limit) and not broken(value, prev):
-                    notes.append(f"guard {guard.metric} {bound} {limit:g} not met before or after ({_fmt(prev)} -> {_fmt(value)}): not a regression, not tripped")
-                    continue
-                trips.append(f"guard {guard.metric} {bound} {limit:g} tripped: {_fmt(value)}")
-            base = (baseline or {}).get(guard.metric)
-            if guard.max_drop is not None and base is not None:
-                if not _finite(base):
-                    trips.append(f"guard {guard.metric} max_drop {guard.max_drop:g} tripped: the baseline's {guard.metric} is not finite ({base!r})")
-                elif base - value > guard.max_drop:
-                    trips.append(f"guard {guard.metric} max_drop {guard.max_drop:g} tripped: {_fmt(base)} at baseline -> {_fmt(value)}")
-            change = changes.get(guard.metric)
-            if guard.max_regression is not None and change is not None:
-                if not _finite(change):
-                    trips.append(f"guard {guard.metric} max_regression {guard.max_regression:.0%} tripped: its change is not finite ({change!r})")
-                    continue
-                worse = -change if ALL_METRICS.get(guard.metric, True) else change
-                limit = guard.max_regression + bands.get(guard.metric, 0.0)  # worse beyond noise
-                if worse > limit:
-                    trips.append(f"guard {guard.metric} max_regression {guard.max_regression:.0%} tripped: {move(guard.metric, change)}")
-        change = changes.get(objective)
-        band = bands.get(objective, self.min_effect)
-        clean = {k: round(v, 4) for k, v in changes.items() if _finite(v)}  # trace.json is strict JSON: no NaN
-        finite_bands = {k: v for k, v in bands.items() if _finite(v)}
-        note = "".join(f"; {n}" for n in notes)
-        tripped = "".join(f"; {t}" for t in trips)
+            found = guard.check(ev)
+            trips += found.trips
+            notes += found.notes
+            if found.in_force:
+                in_force.append(guard.describe())
+        clean = {k: round(v, 4) for k, v in changes.items() if finite(v)}  # trace.json is strict JSON: no NaN
+        finite_bands = {k: v for k, v in bands.items() if finite(v)}
 
         def verdict(kept: bool, reason: str, outcome: str) -> Verdict:
             return Verdict(kept=kept, reason=reason, changes=clean, bands=finite_bands, outcome=outcome, guards=in_force)
 
+        return verdict(*self._decide(layer, ev, trips, notes))
+
+    def _decide(self, layer: Layer, ev: Evidence, trips: list[str], notes: list[str]) -> tuple[bool, str, str]:
+        """(kept, reason, outcome) from the objective's change and the guards' findings."""
+        objective = self.objective_for(layer)
+        change, value = ev.changes.get(objective), ev.after.get(objective)
+        note, tripped = "".join(f"; {n}" for n in notes), "".join(f"; {t}" for t in trips)
         if change is None:
-            return verdict(False, f"objective {objective} could not be measured{tripped}{note}", "unmeasured")
-        value = after.get(objective)
-        if not _finite(change) or (value is not None and not _finite(value)):
-            what = f"change {change!r}" if not _finite(change) else f"value {value!r}"
-            return verdict(False, f"objective {objective} is not finite ({what}): a failed number is never a gain{tripped}{note}", "unmeasured")
+            return False, f"objective {objective} could not be measured{tripped}{note}", "unmeasured"
+        if not finite(change) or (value is not None and not finite(value)):
+            what = f"change {change!r}" if not finite(change) else f"value {value!r}"
+            return False, f"objective {objective} is not finite ({what}): a failed number is never a gain{tripped}{note}", "unmeasured"
+        band = ev.bands.get(objective, self.min_effect)
         better = change if METRICS[objective] else -change
-        obj_text = f"{objective} {move(objective, change)}, noise band ±{band:.1%}"
+        # The threshold is the step's own interval half-width (from its rounds; at least min_effect),
+        # not the A/A calibration's noise band, which the report shows apart.
+        obj_text = f"{objective} {move(objective, ev, change)}, threshold ±{band:.1%} (interval half-width, at least min_effect)"
         if trips:
-            return verdict(False, f"{obj_text}{tripped}{note}", "guard")
+            return False, f"{obj_text}{tripped}{note}", "guard"
         if better <= band:
             verb = "no change beyond noise" if better >= -band else "worse"
-            # The other side of a trade: watched numbers that did improve beyond noise.
-            gains = [f"{m} {move(m, c)}" for m in _watched(layer) if m != objective and _finite(c := changes.get(m))
-                     and (c if ALL_METRICS.get(m, True) else -c) > bands.get(m, self.min_effect)]
+            gains = self._moved(layer, ev, objective, better_side=True)  # the other side of a trade
             but = f"; better, but not the objective: {', '.join(gains)}" if gains else ""
-            return verdict(False, f"{verb}: {obj_text}{but}{note}", "no_change" if better >= -band else "worse")
-        # The price of a kept trade: watched numbers that got worse beyond noise without a guard tripping.
-        costs = [f"{m} {move(m, c)}" for m in _watched(layer) if m != objective and _finite(c := changes.get(m))
-                 and -(c if ALL_METRICS.get(m, True) else -c) > bands.get(m, self.min_effect)]
+            return False, f"{verb}: {obj_text}{but}{note}", "no_change" if better >= -band else "worse"
+        costs = self._moved(layer, ev, objective, better_side=False)  # the price of a kept trade
         cost = f"; at a cost no guard forbids: {', '.join(costs)}" if costs else ""
-        return verdict(True, f"{obj_text}; no guard tripped{cost}{note}", "kept")
+        return True, f"{obj_text}; no guard tripped{cost}{note}", "kept"
+
+    def _moved(self, layer: Layer, ev: Evidence, objective: str, *, better_side: bool) -> list[str]:
+        """Watched numbers besides the objective that moved beyond noise, to the better or the worse side."""
+        out = []
+        for m in _watched(layer):
+            c = ev.changes.get(m)
+            if m == objective or not finite(c):
+                continue
+            gain = c if ALL_METRICS.get(m, True) else -c
+            if (gain if better_side else -gain) > ev.bands.get(m, self.min_effect):
+                out.append(f"{m} {move(m, ev, c)}")
+        return out
+
+
+def _merged(default: dict | None, spec: dict) -> dict:
+    """A recipe's guard over the default one: its limits replace the default's when it names any
+    (``kl_mean: {max: 0.1}``); ``accept_unknown`` alone keeps the default's limits."""
+    limits = {k: v for k, v in spec.items() if k in LIMITS} or {k: v for k, v in (default or {}).items() if k in LIMITS}
+    return {**limits, **{k: v for k, v in spec.items() if k == "accept_unknown"}}
 
 
 def _watched(layer: Layer) -> tuple[str, ...]:
     """The numbers a layer's reasons mention when they moved: its watch list and latency guards."""
     return (*WATCH[layer], *(m for m in LATENCY_GUARDS.get(layer, {}) if m not in WATCH[layer]))
-
-
-def _finite(v: object) -> bool:
-    """True for a real number that is neither NaN nor infinite (bools and None are not numbers here)."""
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _fmt(v: float | None) -> str:
-    if v is None:
-        return "n/a"
-    if not _finite(v):
-        return repr(v)
-    return f"{v:.4g}" if abs(v) < 10 else f"{v:.1f}"
-
-
-def _move(metric: str, before: dict, after: dict, change: float, interval: list[float] | None = None) -> str:
-    """A change as a reason quotes it, saying what the percentage is computed from.
-
-    Census numbers (``weight_mb``) are exact, and their change is the ratio of the two figures
-    printed next to it. Measured numbers change by the paired estimate (per request and round,
-    :mod:`fractal_opt.measure.noise`), which is not the ratio of the two medians: the text names
-    it, with its 95% interval when known, and labels the medians as medians.
-    """
-    b, a = _fmt(before.get(metric)), _fmt(after.get(metric))
-    if metric in CENSUS_METRICS:
-        return f"{change:+.1%} ({b} -> {a})"
-    ci = f" [95%: {interval[0]:+.1%}, {interval[1]:+.1%}]" if interval and len(interval) == 2 else ""
-    return f"paired estimate {change:+.1%}{ci}, medians {b} -> {a}"

@@ -154,26 +154,43 @@ def test_weights_that_grow_beyond_max_regression_roll_back_a_faster_hardware_pas
 NOTE_ARGS = ({"decode_tokens_per_s": 100.0}, {"decode_tokens_per_s": 0.2}, {"decode_tokens_per_s": 0.05})
 
 
-def test_unmeasurable_kl_guard_is_named():
-    """A kl_mean left None by a runtime without log-probabilities is named in the verdict, not silently skipped."""
+def test_unmeasurable_kl_guard_trips_as_unknown():
+    """A kl_mean left None by a runtime without log-probabilities is unknown, and an unknown guard rolls the step back."""
     after = {"decode_tokens_per_s": 120.0, "kl_mean": None, "kl_method": "unavailable: X gives no log-probabilities"}
     v = Policy().judge(Layer.HARDWARE, NOTE_ARGS[0], after, NOTE_ARGS[1], NOTE_ARGS[2])
-    assert v.kept and "guard kl_mean not measurable on this runtime (unavailable: X gives no log-probabilities)" in v.reason
+    assert not v.kept and "guard kl_mean unknown: not measurable on this runtime (unavailable: X gives no log-probabilities)" in v.reason
     assert "accuracy" not in v.reason  # a guard with no probe configured (no eval set) stays silent
 
 
-def test_kl_guard_on_a_top_k_bound_says_so():
-    """A kl_mean from the top-k lower bound is judged and the verdict says it can only be too lenient."""
+def test_kl_guard_on_a_top_k_bound_is_unknown_and_trips():
+    """A kl_mean from the top-k lower bound is not judged as if exact: the step is rolled back, saying why."""
     after = {"decode_tokens_per_s": 120.0, "kl_mean": 0.002, "kl_method": "top-k lower bound (k=20, first 256 positions)"}
     v = Policy().judge(Layer.HARDWARE, NOTE_ARGS[0], after, NOTE_ARGS[1], NOTE_ARGS[2])
-    assert v.kept and "guard kl_mean judged a lower bound (top-k lower bound (k=20, first 256 positions)): it can only be too lenient" in v.reason
+    assert not v.kept and v.outcome == "guard"
+    assert "guard kl_mean unknown: only a lower bound (top-k lower bound (k=20, first 256 positions))" in v.reason
+    assert "too lenient" not in v.reason
+
+
+def test_accept_unknown_keeps_the_step_and_says_so():
+    """accept_unknown: true under a guard keeps a step whose number is only a bound, with the default limit kept and a note."""
+    policy = Policy(guards={"kl_mean": {"accept_unknown": True}})
+    assert [g for g in policy.guards_for(Layer.HARDWARE) if g.metric == "kl_mean"][0].max == 0.05
+    after = {"decode_tokens_per_s": 120.0, "kl_mean": 0.002, "kl_method": "top-k lower bound (k=20, first 256 positions)"}
+    v = policy.judge(Layer.HARDWARE, NOTE_ARGS[0], after, NOTE_ARGS[1], NOTE_ARGS[2])
+    assert v.kept and "guard kl_mean unknown (only a lower bound" in v.reason and "accepted (accept_unknown)" in v.reason
+
+
+def test_accept_unknown_must_be_a_boolean():
+    """accept_unknown: 'yes' is refused naming the field and what is allowed."""
+    with pytest.raises(RecipeError, match=r"policy.guards.kl_mean.accept_unknown: got 'yes', expected true or false"):
+        Policy(guards={"kl_mean": {"accept_unknown": "yes"}})
 
 
 # ---------------------------------------------------------------------------- coherent reasons (issue 16)
 
 PAIRED = re.compile(r"paired estimate ([+-]\d+\.\d)% \[95%: ([+-]\d+\.\d)%, ([+-]\d+\.\d)%\], medians (\S+) -> (\S+?)(?=[,;]|$)")
 CENSUS = re.compile(r"([+-]\d+\.\d)% \((\d+\.?\d*) -> (\d+\.?\d*)\)")
-LABELLED = re.compile(r"noise band ±\d+\.\d%|max_regression \d+%")
+LABELLED = re.compile(r"threshold ±\d+\.\d% \(interval half-width, at least min_effect\)|max_regression \d+%")
 
 # Medians that do not agree with the paired estimates, as on a noisy machine (issue 16: "-29.3% (13.1 -> 13.7)").
 MEDIANS_BEFORE = {"decode_tokens_per_s": 13.1, "ttft_ms": 455.0, "e2e_ms": 2300.0, "throughput_tokens_per_s": 14.2, "peak_memory_mb": 900.0,
@@ -234,7 +251,7 @@ def test_the_issue_example_reads_as_a_paired_estimate_with_its_medians():
     """-29.3% beside medians 13.1 -> 13.7 (+4.6%) is spelled as what it is."""
     changes = {**dict.fromkeys(BANDS, 0.0), "decode_tokens_per_s": -0.293}
     verdict = Policy().judge(Layer.HARDWARE, MEDIANS_BEFORE, MEDIANS_AFTER, changes, BANDS, intervals={"decode_tokens_per_s": [-0.70, 0.12]})
-    assert "decode_tokens_per_s paired estimate -29.3% [95%: -70.0%, +12.0%], medians 13.1 -> 13.7, noise band ±5.0%" in verdict.reason
+    assert "decode_tokens_per_s paired estimate -29.3% [95%: -70.0%, +12.0%], medians 13.1 -> 13.7, threshold ±5.0%" in verdict.reason
 
 
 # ---------------------------------------------------------------------------- numbers that are not finite (issue 13)

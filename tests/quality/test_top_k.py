@@ -95,12 +95,15 @@ def test_no_log_probabilities_leaves_the_numbers_unmeasured():
 
 
 def test_kl_guard_trips_on_the_bound():
-    """The default kl_mean guard applies to the top-k bound: a far-drifted top-k candidate is rolled back naming kl_mean."""
+    """A top-k bound is unknown to the default kl_mean guard; accepted, a bound already above the limit still trips it."""
     probes = model_probes(_reference(k=20), _engine("top-k", drift=3.0))
     assert probes["kl_mean"] > DEFAULT_GUARDS["kl_mean"]["max"]
     verdict = Policy().judge(Layer.HARDWARE, {"decode_tokens_per_s": 100.0}, {"decode_tokens_per_s": 200.0, **probes},
                              {"decode_tokens_per_s": 1.0}, {"decode_tokens_per_s": 0.05})
-    assert not verdict.kept and "guard kl_mean max 0.05 tripped" in verdict.reason
+    assert not verdict.kept and "guard kl_mean unknown: only a lower bound" in verdict.reason
+    accepted = Policy(guards={"kl_mean": {"accept_unknown": True}}).judge(
+        Layer.HARDWARE, {"decode_tokens_per_s": 100.0}, {"decode_tokens_per_s": 200.0, **probes}, {"decode_tokens_per_s": 1.0}, {"decode_tokens_per_s": 0.05})
+    assert not accepted.kept and "guard kl_mean max 0.05 tripped: its lower bound" in accepted.reason
 
 
 def test_protocol_default_top_logprobs_is_the_top_of_the_full_distributions():
