@@ -214,11 +214,12 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
     with found.collect(f"{where}: "):
         quality = build(QualityConfig, data.get("quality"), where=f"{where}: quality")
     eval_requests: list[Request] = []
-    if quality is not None and quality.eval:
-        from .quality.evals import load_eval_set
+    if quality is not None and isinstance(model, str):
+        from .quality.evals import eval_set_name, load_eval_set
 
-        with found.collect(f"{where}: "):
-            eval_requests = [item.request for item in load_eval_set(quality.eval)]  # before any model loads
+        if eval_set := eval_set_name(quality.eval, model):  # "auto": basics for an embedded model
+            with found.collect(f"{where}: "):
+                eval_requests = [item.request for item in load_eval_set(eval_set)]  # before any model loads
     passes = _parse_passes(data.get("passes"), where=f"{where}: passes", found=found)
     targets = None
     with found.collect(f"{where}: "):

@@ -318,7 +318,7 @@ def test_batching_that_makes_every_user_wait_much_longer_is_not_kept():
     verdict = _schedule(Policy(), {"throughput_tokens_per_s": 0.36, "ttft_ms_p90": 14.65, "itl_ms_p90": 0.3})
     assert not verdict.kept and verdict.outcome == "guard"
     assert "guard ttft_ms_p90 max_regression 50% tripped" in verdict.reason
-    assert verdict.guards == ["ttft_ms_p90 max_regression 50%", "itl_ms_p90 max_regression 150%", "path_agreement min 1"]
+    assert verdict.guards == ["agreement min 0.5", "ttft_ms_p90 max_regression 50%", "itl_ms_p90 max_regression 150%", "path_agreement min 1"]
 
 
 def test_batching_that_trades_inter_token_latency_for_throughput_is_kept():

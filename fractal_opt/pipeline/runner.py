@@ -27,7 +27,7 @@ from ..measure.machine_limits import MachineLimits, probe_limits
 from ..measure.metrics import Measurement
 from ..passes import Layer, Pass
 from ..plan import Plan
-from ..quality.evals import load_eval_set, score
+from ..quality.evals import eval_set_name, load_eval_set, score
 from ..quality.probes import agreement, agreement_between, build_reference, model_probes
 from ..quiet import quiet_third_party
 from ..recipe import Recipe, dump_recipe, load_recipe
@@ -118,7 +118,8 @@ class Pipeline(Resumable):
         self.stop_at_target = stop_at_target
         self.wait_quiet = wait_quiet  # seconds the calibration may wait for other work to leave the CPU (0 = no wait)
         # Loaded now, so a bad eval set or probe fails before any model is loaded.
-        self._eval_items = load_eval_set(self.recipe.quality.eval) if self.recipe.quality.eval else []
+        eval_set = eval_set_name(self.recipe.quality.eval, self.recipe.model)  # "auto": basics for an embedded model
+        self._eval_items = load_eval_set(eval_set) if eval_set else []
         self._probes = self.recipe.quality.load_probes()
         # The state of one run, set by run(): the kept plan and what was measured for it.
         self._trace = Trace(recipe=self.recipe.to_dict())
@@ -425,10 +426,11 @@ class Pipeline(Resumable):
         if key not in self._model_probes:
             self.progress(f"{label}: KL / perplexity on the reference text")
             self._model_probes[key] = model_probes(self._reference, engine)
-        out: dict[str, Any] = {**self._model_probes[key], **agreement(self._reference, m.outputs)}
+        out: dict[str, Any] = {**self._model_probes[key], **agreement(self._reference, m.outputs, cap=engine.plan.application.max_new_tokens)}
         if self._eval_items:
-            self.progress(f"{label}: eval set {quality_cfg.eval!r}")
-            out.update(score(engine, self._eval_items, max_new_tokens=quality_cfg.eval_max_new_tokens))
+            self.progress(f"{label}: eval set ({len(self._eval_items)} questions)")
+            base = self._trace.baseline.metrics.get("quality", {}).get("eval_items") if self._trace.baseline else None  # None: this is the baseline
+            out.update(score(engine, self._eval_items, max_new_tokens=quality_cfg.eval_max_new_tokens, baseline=base))
         for name, probe in self._probes.items():
             try:
                 values = probe(engine)

@@ -8,7 +8,8 @@ An eval set is YAML (``name``, ``items``) or JSONL (one item per line). Each ite
 - ``regex``: the answer is a regular expression searched in the output;
 - ``choice``: the first letter/word of the output equals the answer (multiple choice, case-insensitive).
 
-The packaged set ``basics`` holds easy questions SmolLM2-135M-Instruct mostly answers right.
+The packaged set ``basics`` (40 short factual and instruction questions, the README's example first)
+is the default for the embedded model (``quality.eval: auto``); its float32 baseline answers 30 of 40.
 
 Example:
     >>> from fractal_opt.evals import load_eval_set, matches
@@ -20,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -35,9 +37,10 @@ from ..workload import Request
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
 
-__all__ = ["EvalItem", "load_eval_set", "matches", "packaged_eval_sets", "score"]
+__all__ = ["AUTO", "EvalItem", "eval_set_name", "load_eval_set", "matches", "packaged_eval_sets", "score", "sign_test_worse", "wilson"]
 
 MATCH_KINDS = ("exact", "contains", "regex", "choice")
+AUTO = "auto"  # quality.eval's default: see eval_set_name
 
 
 @dataclass(frozen=True)
@@ -107,8 +110,56 @@ def matches(output: str, answer: str, match: str) -> bool:
     raise ValueError(f"unknown match kind {match!r}")
 
 
-def score(engine: Engine, items: list[EvalItem], *, max_new_tokens: int) -> dict[str, Any]:
-    """Serve every item through the engine (as its plan schedules them) and score the answers."""
+def eval_set_name(eval_field: str | None, model: str) -> str | None:
+    """The eval set a recipe's ``quality.eval`` names: ``"auto"`` (the default) is the packaged
+    ``basics`` for an embedded model, whose answers it was written for, and none for any other
+    model (its questions would say nothing about a model nobody here has scored)."""
+    if eval_field != AUTO:
+        return eval_field
+    from ..models import EMBEDDED
+
+    return "basics" if model in EMBEDDED else None
+
+
+def score(engine: Engine, items: list[EvalItem], *, max_new_tokens: int, baseline: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Serve every item through the engine (as its plan schedules them) and score the answers.
+
+    Returns ``accuracy`` with its 95% Wilson interval (``accuracy_low`` / ``accuracy_high``), the
+    counts, and ``eval_items`` (per item: id, the answer given, passed). Given the baseline's
+    ``eval_items``, also the paired comparison: ``eval_lost`` (items the baseline answered right
+    and this engine wrong), ``eval_gained`` (the reverse), ``eval_changed`` (items whose answer
+    text differs) and ``eval_worse_p``, the one-sided sign-test p-value that this engine answers
+    fewer items right than the baseline (:func:`sign_test_worse`): the accuracy guard's notion of
+    "worse beyond noise".
+    """
     gens = engine.serve([item.request for item in items], max_new_tokens=max_new_tokens)
-    passed = [matches(g.text, item.answer, item.match) for g, item in zip(gens, items)]
-    return {"accuracy": round(sum(passed) / len(items), 4), "eval_passed": sum(passed), "eval_total": len(items)}
+    passed = [matches(g.text, item.answer, item.match) for g, item in zip(gens, items, strict=True)]
+    low, high = wilson(sum(passed), len(items))
+    out: dict[str, Any] = {"accuracy": round(sum(passed) / len(items), 4), "accuracy_low": low, "accuracy_high": high,
+                           "eval_passed": sum(passed), "eval_total": len(items),
+                           "eval_items": [{"id": item.request.id, "answer": g.text, "passed": ok} for item, g, ok in zip(items, gens, passed, strict=True)]}
+    if baseline is not None and len(baseline) == len(items):
+        lost = sum(1 for b, ok in zip(baseline, passed, strict=True) if b["passed"] and not ok)
+        gained = sum(1 for b, ok in zip(baseline, passed, strict=True) if ok and not b["passed"])
+        changed = sum(1 for b, g in zip(baseline, gens, strict=True) if b["answer"].strip() != g.text.strip())
+        out.update(eval_lost=lost, eval_gained=gained, eval_changed=changed, eval_worse_p=sign_test_worse(lost, gained))
+    return out
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a share ``k / n`` (sound at 0 and n, unlike k/n +- 2 s.e.)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)
+
+
+def sign_test_worse(lost: int, gained: int) -> float:
+    """One-sided exact sign test on the items that changed verdict: the chance of at least ``lost``
+    losses among ``lost + gained`` changes if losing and gaining were equally likely (McNemar's
+    exact test). 1.0 when nothing changed. Small means the step answers fewer right beyond noise."""
+    n = lost + gained
+    if n == 0:
+        return 1.0
+    return round(sum(math.comb(n, i) for i in range(lost, n + 1)) / 2**n, 4)

@@ -57,7 +57,8 @@ class QualityConfig:
             distributions scores (llama.cpp exactly, two requests a position; vLLM by its top-k).
             llama.cpp pays a decode step per request: on the embedded model at k=20, 256
             positions took 6.7 s on the shared 2-core CPU (load average 1.4), 1,023 took 46 s.
-        eval: a packaged eval set name (``basics``) or a .yaml/.jsonl path; scored on every step.
+        eval: a packaged eval set name (``basics``), a .yaml/.jsonl path, or ``auto`` (the default:
+            ``basics`` for an embedded model, none otherwise; ``null`` turns it off); scored on every step.
         eval_max_new_tokens: the answer budget for eval items.
         probes: custom probes, ``"package.module:function"``.
         allow_code: the recipe's author allows importing and running ``probes`` (Python code, with
@@ -67,7 +68,7 @@ class QualityConfig:
     reference_tokens: int = 1024
     top_k: int = 20
     top_k_positions: int = 256
-    eval: str | None = None
+    eval: str | None = "auto"
     eval_max_new_tokens: int = 24
     probes: tuple[str, ...] = ()
     allow_code: bool = False
@@ -302,8 +303,12 @@ def agreement_between(base: dict[str, list[int]], outputs: dict[str, list[int]])
     return round(sum(1 for rid, ids in base.items() if outputs.get(rid) == ids) / len(base), 4)
 
 
-def agreement(reference: Reference, outputs: dict[str, list[int]]) -> dict[str, Any]:
-    """Greedy agreement of ``outputs`` with the baseline's outputs on the workload."""
+def agreement(reference: Reference, outputs: dict[str, list[int]], cap: int | None = None) -> dict[str, Any]:
+    """Greedy agreement of ``outputs`` with the baseline's outputs on the workload: per request, the
+    share of the baseline's answer matched token by token before the first divergence, averaged;
+    the first divergence's position; difflib's similarity. An answer that stopped at the plan's
+    token ``cap`` is judged on the tokens it was allowed (a shorter cap is the application layer's
+    choice, and the eval set shows what it costs); one that stopped early on its own is not."""
     import difflib
 
     ratios, first_div, similarity = [], [], []
@@ -315,8 +320,9 @@ def agreement(reference: Reference, outputs: dict[str, list[int]]) -> dict[str, 
             if a != b:
                 break
             n += 1
-        same = n == len(base) == len(cand)
-        ratios.append(1.0 if same else n / max(1, len(base)))
+        wanted = min(len(base), cap) if cap is not None and len(cand) >= cap else len(base)
+        same = n == wanted and (len(cand) == len(base) or wanted < len(base))
+        ratios.append(1.0 if same else n / max(1, wanted))
         if not same:
             first_div.append(n)
     return {

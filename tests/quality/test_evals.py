@@ -141,3 +141,74 @@ def test_int4_on_the_embedded_model_is_rolled_back_by_the_kl_guard():
     assert step.metrics["quality"]["kl_mean"] > 0.05
     assert step.status == "rolled_back"
     assert "kl_mean max 0.05 tripped" in step.reason
+
+
+# ---------------------------------------------------------------------------- the default eval set
+
+
+def test_the_embedded_model_gets_the_packaged_eval_set_by_default():
+    """quality.eval: auto (the default) is basics for an embedded model and no eval set for any other model."""
+    from fractal_opt.quality.evals import eval_set_name
+    from fractal_opt.quality.probes import QualityConfig
+
+    assert QualityConfig().eval == "auto"
+    assert eval_set_name("auto", "smollm2-135m-instruct") == "basics"
+    assert eval_set_name("auto", "/models/my-model") is None
+    assert eval_set_name(None, "smollm2-135m-instruct") is None and eval_set_name("mine.yaml", "x") == "mine.yaml"
+
+
+def test_the_packaged_basics_set_starts_with_the_readme_question():
+    """basics holds a few dozen questions, every answer rule compiles, and the README's example comes first, verbatim."""
+    items = load_eval_set("basics")
+    assert len(items) >= 30 and len({i.request.id for i in items}) == len(items)
+    assert items[0].request.messages[-1][1] == "What is the capital of France?" and matches("The capital of France is Paris.", items[0].answer, items[0].match)
+    assert not matches("L'Étoile, la Marseillaise, la femme", items[0].answer, items[0].match)
+
+
+def test_sign_test_and_wilson_interval():
+    """5 lost and 0 gained is beyond noise (p 0.031), 2 lost 0 gained is not (0.25); the Wilson interval holds k/n, clipped to [0, 1]."""
+    from fractal_opt.quality.evals import sign_test_worse, wilson
+
+    assert sign_test_worse(5, 0) == 0.0312 and sign_test_worse(2, 0) == 0.25 and sign_test_worse(0, 0) == 1.0
+    assert sign_test_worse(11, 4) == pytest.approx(0.0592, abs=1e-4)
+    low, high = wilson(30, 40)
+    assert low < 0.75 < high and 0.0 <= wilson(0, 40)[0] and wilson(40, 40)[1] == 1.0
+
+
+class _Answers:
+    """An engine stand-in that answers each eval question with a fixed text."""
+
+    def __init__(self, texts):
+        self.texts = texts
+
+    def serve(self, requests, *, max_new_tokens):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(text=self.texts[r.id]) for r in requests]
+
+
+def test_score_pairs_each_answer_with_the_baseline():
+    """score() against the baseline's items counts lost, gained and changed answers and the sign test's p."""
+    from fractal_opt.quality.evals import EvalItem, score
+    from fractal_opt.workload import Request
+
+    items = [EvalItem(request=Request.from_data({"id": f"q{i}", "prompt": "?"}, index=i, where="t"), answer="yes", match="contains") for i in range(6)]
+    base = score(_Answers({f"q{i}": "yes" for i in range(6)}), items, max_new_tokens=4)
+    assert base["accuracy"] == 1.0 and "eval_lost" not in base and [i["answer"] for i in base["eval_items"]] == ["yes"] * 6
+    cand = score(_Answers({"q0": "no", "q1": "no", "q2": "no", "q3": "no", "q4": "yes", "q5": "yes!"}), items, max_new_tokens=4, baseline=base["eval_items"])
+    assert (cand["eval_lost"], cand["eval_gained"], cand["eval_changed"]) == (4, 0, 5) and cand["eval_worse_p"] == 0.0625
+
+
+def test_accuracy_guard_trips_only_beyond_noise():
+    """A drop of 5 lost / 0 gained of 40 trips the default accuracy guard with the counts and p; 2 lost / 0 gained does not."""
+    from fractal_opt.passes import Layer
+    from fractal_opt.policy import Policy
+
+    def judge(lost, p):
+        after = {"decode_tokens_per_s": 200.0, "accuracy": (30 - lost) / 40, "eval_lost": lost, "eval_gained": 0, "eval_total": 40, "eval_worse_p": p, "agreement": 0.9}
+        return Policy().judge(Layer.HARDWARE, {"decode_tokens_per_s": 100.0}, after, {"decode_tokens_per_s": 1.0}, {"decode_tokens_per_s": 0.05},
+                              baseline={"accuracy": 0.75})
+
+    tripped, kept = judge(5, 0.0312), judge(2, 0.25)
+    assert not tripped.kept and "guard accuracy max_drop 0 tripped: 0.75 at baseline -> 0.625 (lost 5, gained 0 of 40 questions; sign test p=0.0312 < 0.1)" in tripped.reason
+    assert kept.kept and "accuracy max_drop 0" in kept.guards
