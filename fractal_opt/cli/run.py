@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..errors import RecipeError
     from ..pipeline.confirm import final_lines
+    from ..pipeline.report_answers import answers_text
     from ..pipeline.report import busy_warning
     from ..pipeline.runner import Pipeline
     from ..recipe import load_recipe
@@ -53,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if warning := busy_warning(result.trace.calibration):  # the A/A band could not resolve min_effect
         print(warning)
     for line in final_lines(result.trace.final, markdown=False):  # final vs baseline: only the final confirmation's numbers
+        print(line)
+    for line in answers_text(result.trace):  # what the final plan answers, beside the baseline
         print(line)
     print(f"Wrote {args.out}/trace.json, {args.out}/report.md, {args.out}/recipe.yaml")
     return 0

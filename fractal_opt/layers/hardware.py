@@ -52,6 +52,10 @@ class Runtime(Pass):
     url: str | None = None
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    # The weight type to compute in on the new runtime, switched with it (None = the plan's): a
+    # second candidate such as {backend: llama_cpp, dtype: bfloat16} is the same runtime on the
+    # same weights widened, for when the first one's kernels fail the quality guards.
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
     def __post_init__(self) -> None:
         if self.backend == "transformers" and self.path is not None:
@@ -72,8 +76,9 @@ class Runtime(Pass):
         return None
 
     def apply(self, plan: Plan) -> Plan:
+        dtype = {"dtype": self.dtype} if self.dtype is not None else {}
         return plan.replace_section("hardware", runtime=self.backend, runtime_path=self.path, runtime_url=self.url,
-                                    tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel)
+                                    tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel, **dtype)
 
 
 @register

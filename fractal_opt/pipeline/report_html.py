@@ -21,6 +21,7 @@ from ..passes import Layer
 from ..policy import QUALITY_METRICS, Guard, Policy
 from . import one_user
 from .confirm import final_lines
+from .report_answers import answers_html
 from .labels import pass_label
 from .run_info import wall_time
 from .report_svg import COLOURS, LABEL_W, Bar, Svg, data_attrs, esc, fmt_num, hbar_chart, is_num, nice_max, range_chart
@@ -60,6 +61,7 @@ CSS = """
 .fo-report svg.chart { display: block; margin: 6px 0; max-width: 100%; height: auto; }
 .fo-report dl { display: grid; grid-template-columns: max-content auto; gap: 2px 12px; font-size: 13px; }
 .fo-report dt { color: #555; } .fo-report dd { margin: 0; }
+.fo-report table.answers tr.changed td { background: #fff8e1; } .fo-report table.answers td { max-width: 300px; }
 """
 
 # Records in the page how many charts the browser laid out with a non-zero size and how tall the
@@ -93,6 +95,7 @@ def render_fragment(trace: Trace, *, styles: bool = True) -> str:
     parts += _roofline(trace, steps)
     parts += _latency(steps)
     parts += _quality(steps, policy)
+    parts.append(answers_html(trace))  # the baseline's and the final plan's answers side by side
     parts += _steps_table(steps, policy)
     parts += _calibration(trace, policy)
     parts += _machine(trace)

@@ -427,6 +427,9 @@ class Pipeline(Resumable):
             self.progress(f"{label}: KL / perplexity on the reference text")
             self._model_probes[key] = model_probes(self._reference, engine)
         out: dict[str, Any] = {**self._model_probes[key], **agreement(self._reference, m.outputs, cap=engine.plan.application.max_new_tokens)}
+        out.update(_answers(engine, m.outputs))  # the side-by-side answers (report_answers.py)
+        if self._trace.baseline is None:
+            out["prompts"] = {r.id: r.messages[-1][1] for r in self._requests}
         if self._eval_items:
             self.progress(f"{label}: eval set ({len(self._eval_items)} questions)")
             base = self._trace.baseline.metrics.get("quality", {}).get("eval_items") if self._trace.baseline else None  # None: this is the baseline
@@ -497,6 +500,14 @@ class Pipeline(Resumable):
             "report.html": trace.to_html(),  # issue 14: the same run as pictures
             "recipe.yaml": dump_recipe(trace.to_recipe(), header=header),
         })
+
+
+def _answers(engine: Engine, outputs: dict[str, list[int]]) -> dict[str, Any]:
+    """The workload's greedy answers as text, for the reports; none from an engine that cannot decode ids."""
+    try:
+        return {"answers": {rid: engine.decode(ids) for rid, ids in outputs.items()}}
+    except NotImplementedError:
+        return {}
 
 
 def _metrics(m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import FractalOptError
 from .confirm import final_lines
+from .report_answers import answers_lines
 from .labels import pass_label
 from .report import calibration_lines, final_one_user_lines, measurement_lines, one_user_lines
 from .run_info import now, run_info, wall_time
@@ -264,6 +265,7 @@ class Trace:
         lines += measurement_lines(([self.baseline] if self.baseline else []) + self.steps)
         lines += _guard_lines(self.steps)  # --- the guards in force per step (engineer B, issue 16)
         lines += final_lines(self.final)  # --- final vs baseline, only from the final confirmation (engineer B, pipeline/confirm.py)
+        lines += answers_lines(self)  # the baseline's and the final plan's answers side by side (report_answers.py)
         lines += final_one_user_lines(self.final)  # --- the same, for one user (issue 16)
         lines += [f"Search: {s['answer']} ({s['summary']})." for s in self.searches]  # --- a search pass's answer (engineer D, issue 16)
         # --- targets (issue 15, pipeline/targets.py): the gap per step and which were met

@@ -137,7 +137,7 @@ def score(engine: Engine, items: list[EvalItem], *, max_new_tokens: int, baselin
     low, high = wilson(sum(passed), len(items))
     out: dict[str, Any] = {"accuracy": round(sum(passed) / len(items), 4), "accuracy_low": low, "accuracy_high": high,
                            "eval_passed": sum(passed), "eval_total": len(items),
-                           "eval_items": [{"id": item.request.id, "answer": g.text, "passed": ok} for item, g, ok in zip(items, gens, passed, strict=True)]}
+                           "eval_items": [{"id": item.request.id, "question": item.request.messages[-1][1], "answer": g.text, "passed": ok} for item, g, ok in zip(items, gens, passed, strict=True)]}
     if baseline is not None and len(baseline) == len(items):
         lost = sum(1 for b, ok in zip(baseline, passed, strict=True) if b["passed"] and not ok)
         gained = sum(1 for b, ok in zip(baseline, passed, strict=True) if ok and not b["passed"])
