@@ -9,7 +9,8 @@ A guard is ``metric: {min | max | max_regression | max_drop: number, accept_unkn
   beyond the metric's noise band.
 - ``max_drop``: at most this absolute decrease against the baseline (e.g. eval accuracy). For
   ``accuracy`` with the paired counts of the same questions (``eval_lost`` / ``eval_gained``), the
-  decrease must also be beyond noise: a one-sided sign test below :data:`WORSE_P`.
+  decrease must also be beyond noise: a one-sided sign test below :data:`WORSE_P`, or a drop over
+  :data:`CERTAIN_DROP`.
 - ``accept_unknown``: see below.
 
 **Only exact values are judged.** A quality number that could not be measured on the step's
@@ -65,6 +66,9 @@ LIMITS = ("min", "max", "max_regression", "max_drop")
 # harmless changes measured (bf16, threads, eager attention, prepacked weights, bf16 on llama.cpp)
 # lost 0-1 questions; Q4_1 kernels lost 5 and gained 0 (p=0.031), docs/quality.md.
 WORSE_P = 0.10
+# A drop in accuracy larger than this trips whatever the sign test says: an eval set of a handful of
+# questions cannot reach significance (3 lost of 3 gives p=0.125), and losing that much is no noise.
+CERTAIN_DROP = 0.10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,9 +169,11 @@ class Guard:
             # The same questions answered by both plans: the items that changed verdict decide
             # whether the drop is beyond noise (a one-sided sign test, quality.evals.sign_test_worse).
             paired = f"lost {ev.after.get('eval_lost')}, gained {ev.after.get('eval_gained')} of {ev.after.get('eval_total')} questions"
-            if p >= WORSE_P:
-                return []  # a drop this few changed answers can give by chance: not beyond noise
-            return [f"{drop} ({paired}; sign test p={p:.3g} < {WORSE_P:g})"]
+            if p < WORSE_P:
+                return [f"{drop} ({paired}; sign test p={p:.3g} < {WORSE_P:g})"]
+            if base - value > CERTAIN_DROP:  # a small eval set cannot reach significance: a drop this large still counts
+                return [f"{drop} ({paired}; a drop over {CERTAIN_DROP:g} counts without the sign test, p={p:.3g})"]
+            return []  # a drop this few changed answers can give by chance: not beyond noise
         return [drop]
 
     def _regression(self, ev: Evidence) -> list[str]:

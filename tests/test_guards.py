@@ -64,3 +64,12 @@ def test_max_regression_beyond_noise():
     ev = dict(before={"ttft_ms": 100.0}, bands={"ttft_ms": 0.05})
     assert guard.check(Evidence(after={"ttft_ms": 120.0}, changes={"ttft_ms": 0.20}, **ev)).trips
     assert not guard.check(Evidence(after={"ttft_ms": 112.0}, changes={"ttft_ms": 0.12}, **ev)).trips
+
+
+def test_accuracy_drop_without_significance_counts_when_large():
+    """3 lost of 3 (p 0.125, no significance possible) still trips; 2 lost of 40 (drop 0.05, p 0.25) does not."""
+    guard = Guard(metric="accuracy", max_drop=0.0)
+    small = guard.check(Evidence(after={"accuracy": 0.0, "eval_lost": 3, "eval_gained": 0, "eval_total": 3, "eval_worse_p": 0.125}, baseline={"accuracy": 1.0}))
+    noise = guard.check(Evidence(after={"accuracy": 0.7, "eval_lost": 2, "eval_gained": 0, "eval_total": 40, "eval_worse_p": 0.25}, baseline={"accuracy": 0.75}))
+    assert small.trips and "a drop over 0.1 counts without the sign test" in small.trips[0]
+    assert noise.trips == [] and noise.in_force
