@@ -1,4 +1,4 @@
-"""One short, prepared check of the CUDA-only paths, for a session that has a GPU.
+"""One short, prepared check of the CUDA-only paths, for a machine that has a GPU.
 
 Exercises, on the tiny random model (seconds each; nothing downloaded), what the CPU test suite
 can only check by refusal: ``device: cuda``, ``device_map: auto`` with ``max_memory``, flash

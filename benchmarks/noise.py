@@ -11,7 +11,7 @@ Each trial is one pipeline comparison, decided with the pipeline's rule: measure
 rounds, extended in pairs while unsettled), paired t interval over rounds of decode tokens/s,
 band = max(min_effect, inner half-width). A/A and slowdown trials alternate, so machine load falls
 on both alike. The spin's measured effect is printed (median over trials): on a VM whose speed
-drifts it was −12% in session 6 rather than the intended −9.1% (docs/metrics.md).
+drifts (a 2-core Intel Xeon VM, 2026-12-01) it was −12% rather than the intended −9.1% (docs/metrics.md).
 
     python benchmarks/noise.py                       # 20 + 20 trials, 2 requests x 16 tokens, 4-16 rounds
     python benchmarks/noise.py --trials 5 --tokens 24 --requests 3
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per request (default 16)")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds per comparison before any extension (default 4: two A B / B A pairs)")
     parser.add_argument("--max-rounds", type=int, default=16, help="adaptive budget: rounds are added in pairs while the verdict is unsettled "
-                        "(default 16: on the session-6 VM a round's paired log-ratio moved by 4-10%%, and 8 rounds found 16/20 slowdowns)")
+                        "(default 16: on a 2-core Intel Xeon VM a round's paired log-ratio moved by 4-10%%, and 8 rounds found 16/20 slowdowns)")
     parser.add_argument("--slowdown", type=float, default=0.10, help="extra time per decode step, as a fraction of the measured step (default 0.10)")
     parser.add_argument("--min-effect", type=float, default=Policy.min_effect, help=f"policy.min_effect (default {Policy.min_effect}, the policy's)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores, the plan's `auto`; on a machine "

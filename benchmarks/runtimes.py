@@ -1,4 +1,4 @@
-"""The measured table of issue 17: transformers baseline and best, llama.cpp tuned, vLLM, in one run.
+"""The runtimes table of docs/runtimes.md: transformers baseline and best, llama.cpp tuned, vLLM, in one run.
 
 Two measurements, each with every plan interleaved round by round (the order rotates every
 round, so load from other processes falls on all plans alike), through the one measurement
@@ -24,7 +24,7 @@ embedded Q4_1, on Q8_0 and on BF16 weights), all printed; (4) with ``--vllm``: v
 measured alone after the others are closed (its server process is the heavy one), with the
 transformers best plan measured again next to it so its ratio has a same-window reference.
 
-Prints both tables, the issue's ratios (llama_cpp tuned throughput / transformers best, target
+Prints both tables, the project's ratios (llama_cpp tuned throughput / transformers best, target
 >= 3x; llama_cpp single-request decode / transformers baseline, target >= 5x) as ratios of the
 medians and as paired estimates with their t intervals over rounds, the load average at start and end,
 and the versions. Exits 1 when a target is missed.
@@ -49,9 +49,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-THROUGHPUT_TARGET = 3.0  # issue 17: llama_cpp tuned / transformers best under the chatbot load
-DECODE_TARGET = 5.0  # issue 17: llama_cpp / transformers baseline, single-request decode tokens/s
-SINGLE_TOKENS = 32  # the default suite's budget in the issue's own table (and recipes/quickstart.yaml)
+THROUGHPUT_TARGET = 3.0  # the project's aim: llama_cpp tuned / transformers best under the chatbot load
+DECODE_TARGET = 5.0  # the project's aim: llama_cpp / transformers baseline, single-request decode tokens/s
+SINGLE_TOKENS = 32  # the default suite's budget in docs/runtimes.md's table (and recipes/quickstart.yaml)
 
 
 def log(msg: str) -> None:

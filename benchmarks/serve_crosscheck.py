@@ -1,4 +1,4 @@
-"""Cross-check fractal_opt's own load measurement against a client nobody here wrote (issue 12).
+"""Cross-check fractal_opt's own load measurement against a client nobody here wrote (the openai package).
 
 Serves one plan with ``fractal-opt serve`` (a subprocess) and drives it with the real ``openai``
 client: 8 closed-loop clients, streaming, the same requests and token budgets as the measurement
@@ -6,7 +6,7 @@ client: 8 closed-loop clients, streaming, the same requests and token budgets as
 measured in this process by fractal_opt's one measurement runner (``measure.runner.Runner`` with a
 LoadProfile at concurrency 8), interleaved round by round so load from other processes falls on
 both alike. Prints, side by side, the aggregate output tokens/s and TTFT p50 / p90 each side saw,
-their ratio, and whether they agree within 15% (the issue's bar). Both sides have the model loaded
+their ratio, and whether they agree within 15% (the cross-check's bar). Both sides have the model loaded
 (one process each); only one of them runs at a time.
 
 The HTTP side pays what a real client pays and the in-process side does not: JSON, SSE framing,

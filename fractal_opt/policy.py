@@ -74,7 +74,7 @@ DEFAULT_GUARDS = {"kl_mean": {"max": 0.05}, "agreement": {"min": 0.5}, "accuracy
 # ITL percentiles the guards), relative to the previous plan. On the project's 2-core CPU, static
 # and continuous batching at 8 in flight raised ITL p90 by 74-133% over one-by-one serving while
 # cutting TTFT p90 under load 1.6-16x (docs/passes.md, default suite), so 150% lets that normal
-# trade through; a static batch handed the whole suite at once raised TTFT 16x (issue 16), which
+# trade through; a static batch handed the whole suite at once raised TTFT 16x (the quickstart's), which
 # 50% refuses. A recipe's own guard on the same metric (an SLO such as ``ttft_ms_p90: {max: 4000}``)
 # replaces these.
 LATENCY_GUARDS: dict[Layer, dict[str, dict[str, float]]] = {

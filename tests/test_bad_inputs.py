@@ -1,5 +1,5 @@
 """Bad input is refused before work starts: exit 2, one message naming the file and the field, no
-traceback, no weights loaded (issue 13).
+traceback, no weights loaded.
 
 The corpus is tests/data/bad/ (recipes, suites, eval sets, model folders, GGUF files; its
 README.md says how each was made). Every case runs in-process through ``fractal_opt.cli.main``

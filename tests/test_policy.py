@@ -186,13 +186,13 @@ def test_accept_unknown_must_be_a_boolean():
         Policy(guards={"kl_mean": {"accept_unknown": "yes"}})
 
 
-# ---------------------------------------------------------------------------- coherent reasons (issue 16)
+# ---------------------------------------------------------------------------- coherent reasons
 
 PAIRED = re.compile(r"paired estimate ([+-]\d+\.\d)% \[95%: ([+-]\d+\.\d)%, ([+-]\d+\.\d)%\], medians (\S+) -> (\S+?)(?=[,;]|$)")
 CENSUS = re.compile(r"([+-]\d+\.\d)% \((\d+\.?\d*) -> (\d+\.?\d*)\)")
 LABELLED = re.compile(r"threshold ±\d+\.\d% \(interval half-width, at least min_effect\)|max_regression \d+%")
 
-# Medians that do not agree with the paired estimates, as on a noisy machine (issue 16: "-29.3% (13.1 -> 13.7)").
+# Medians that do not agree with the paired estimates, as on a noisy machine (a reason once read "-29.3% (13.1 -> 13.7)").
 MEDIANS_BEFORE = {"decode_tokens_per_s": 13.1, "ttft_ms": 455.0, "e2e_ms": 2300.0, "throughput_tokens_per_s": 14.2, "peak_memory_mb": 900.0,
                   "ttft_ms_p90": 900.0, "itl_ms_p90": 64.0, "weight_mb": 513.0, "kl_mean": 0.0}
 MEDIANS_AFTER = {"decode_tokens_per_s": 13.7, "ttft_ms": 420.0, "e2e_ms": 2500.0, "throughput_tokens_per_s": 29.1, "peak_memory_mb": 1300.0,
@@ -254,11 +254,11 @@ def test_the_issue_example_reads_as_a_paired_estimate_with_its_medians():
     assert "decode_tokens_per_s paired estimate -29.3% [95%: -70.0%, +12.0%], medians 13.1 -> 13.7, threshold ±5.0%" in verdict.reason
 
 
-# ---------------------------------------------------------------------------- numbers that are not finite (issue 13)
+# ---------------------------------------------------------------------------- numbers that are not finite
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_a_kl_that_is_not_finite_trips_its_guard(bad):
-    """A float16 step with KL NaN (issue 13) is rolled back by kl_mean's guard, and the reason says "not finite"."""
+    """A float16 step with KL NaN is rolled back by kl_mean's guard, and the reason says "not finite"."""
     verdict = _judge(Policy(), Layer.MODEL, {"decode_tokens_per_s": 1.0}, kl=bad)
     assert not verdict.kept and verdict.outcome == "guard"
     assert "guard kl_mean max 0.05 tripped: kl_mean is not finite" in verdict.reason
@@ -299,7 +299,7 @@ def test_an_objective_that_is_not_finite_is_never_kept(where, bad):
     json.dumps(verdict.changes, allow_nan=False)
 
 
-# ---------------------------------------------------------------------------- default latency guards for scheduling (issue 16)
+# ---------------------------------------------------------------------------- default latency guards for scheduling
 
 def test_scheduling_passes_are_guarded_on_ttft_and_itl_percentiles_by_default():
     guards = {g.metric: g for g in Policy().guards_for(Layer.SCHEDULING)}
@@ -314,7 +314,7 @@ def _schedule(policy: Policy, changes: dict[str, float]):
 
 
 def test_batching_that_makes_every_user_wait_much_longer_is_not_kept():
-    """The quickstart's static batch (issue 16): throughput +36% with TTFT +1465% is rolled back by default."""
+    """The quickstart's static batch: throughput +36% with TTFT +1465% is rolled back by default."""
     verdict = _schedule(Policy(), {"throughput_tokens_per_s": 0.36, "ttft_ms_p90": 14.65, "itl_ms_p90": 0.3})
     assert not verdict.kept and verdict.outcome == "guard"
     assert "guard ttft_ms_p90 max_regression 50% tripped" in verdict.reason

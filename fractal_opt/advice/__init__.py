@@ -1,4 +1,4 @@
-"""Advice: the commands that read a situation before changing it (issue 15).
+"""Advice: the commands that read a situation before changing it.
 
 - :mod:`.doctor`: the troubleshooting checklist as checks, each with a verdict and what to do.
 - :mod:`.bisect`: which kept pass makes a tuned plan slower on a new workload, by rolling back halves.

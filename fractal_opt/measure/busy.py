@@ -32,7 +32,7 @@ __all__ = ["BUSY_SHARE", "QUIET_SHARE", "BusySnapshot", "snapshot", "wait_quiet"
 # The machine counts as busy when other processes keep at least this share of its cores working
 # (or the 1-minute load average exceeds it, times the core count): on a 2-core machine one other
 # core-hungry job (one core) makes the pipeline's two threads share a core, which is what turned
-# the quickstart's A/A bands into -10%..+102% (issue 16).
+# the quickstart's A/A bands into -10%..+102% on the project's 2-core CPU.
 BUSY_SHARE = 0.5
 # --wait-quiet waits until the others use at most this share of the cores (a quarter of one core
 # on a 2-core machine: an editor, a shell, a language server).

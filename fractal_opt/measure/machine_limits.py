@@ -9,7 +9,7 @@ The compute ceiling is the model's own kernel: ``torch.nn.functional.linear`` of
 of tokens at the model's shapes (hidden x hidden, as the attention projections; hidden x
 intermediate, as the MLP) in each dtype, so the share of it a prefill reaches is a share of what the
 same kernel can do. A square ``torch.mm`` of a size unrelated to the model (the first method) gave a
-bf16 ceiling that the model's prefill "reached" 1317% of (issue 16). Without a shape (no config)
+bf16 ceiling that the model's prefill "reached" 1317% of. Without a shape (no config)
 square shapes are used. The bandwidth ceiling is read per dtype (a sum of a large tensor of that
 dtype), since a plan reads its weights in its own dtype.
 

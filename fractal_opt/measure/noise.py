@@ -15,7 +15,7 @@ metrics (throughput, memory) have one log-ratio per round already.
 
 Why not a bootstrap: a percentile bootstrap of three rounds never reaches beyond the three
 observed values, and three draws bracket their own median only 75% of the time, so a "95%"
-interval from three rounds covered the truth far less often: in session 6, 2 of the first 7 A/A
+interval from three rounds covered the truth far less often: on a quiet 2-core Intel Xeon VM, 2 of the first 7 A/A
 trials of benchmarks/noise.py ended "worse" (docs/metrics.md has the run). A t interval
 from three rounds is honest and wide (t = 4.3 at 2 degrees of freedom); the runner adds rounds
 while it is not :func:`settled`, up to ``max_repeats``.

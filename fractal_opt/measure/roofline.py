@@ -55,7 +55,7 @@ KV_QUANT_GROUP = 64
 BOUND_FRACTION = 0.5
 # A measured rate cannot exceed the machine's ceiling: a share above this means the probe
 # under-measured the ceiling (taken under load, or a kernel other than the model's), not that
-# the step beat it. Such a share is never reported or used for a label (issue 16).
+# the step beat it. Such a share is never reported or used for a label.
 MAX_SHARE = 1.0
 # Capacity-bound when the measured peak uses >= 90% of the device: the next larger batch or
 # context will not fit, whatever the speed.

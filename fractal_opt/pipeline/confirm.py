@@ -3,7 +3,7 @@
 Every step is judged against the plan kept before it, minutes after the baseline was measured,
 under whatever else the machine was doing then. Setting the kept plan's last medians beside the
 baseline's is therefore not a measurement of "final vs baseline": on a busy machine two
-measurements of the *same* plan differed by up to 38% (issue 16). So after the last step the
+measurements of the *same* plan differed by up to 38% (+11.8% and -38% on one plan). So after the last step the
 baseline and the final plan are served in the same rounds, A B / B A, with the rule of every step
 (:func:`~fractal_opt.measure.runner.measure_pair`, paired t intervals over rounds per metric, the
 noise band of :func:`~fractal_opt.measure.noise.band`), and "final vs baseline" in trace.json,

@@ -152,7 +152,7 @@ class Pipeline(Resumable):
         self._open_journal(machine)  # refuses a resume whose inputs changed; marks the run in progress
         self._baseline(machine)
         for index, p in enumerate(passes, start=1):
-            if self.stop_at_target and (done := stop_reason(self._trace)):  # targets (issue 15): all met, the rest is skipped
+            if self.stop_at_target and (done := stop_reason(self._trace)):  # every target met: the rest is skipped
                 step = Step(pass_name=p.name, layer=p.layer.section, params=p.params(), status="", reason="")
                 self._skip(step, f"[{index}/{len(passes)}] {p.layer.section}/{p.describe()}", done)
                 self._record(step)
@@ -189,7 +189,7 @@ class Pipeline(Resumable):
                 self._fail_baseline(e)
             self._journal_baseline()
         self._finish()
-        note_targets(self._trace, self._trace.baseline)  # the gap to each target (issue 15)
+        note_targets(self._trace, self._trace.baseline)  # the gap to each target
         self._save()
 
     def _measure_baseline(self, machine: Machine) -> None:
@@ -330,7 +330,7 @@ class Pipeline(Resumable):
         verdict = self.recipe.policy.judge(p.layer, before_values, after_values, changes, cmp.bands, baseline=baseline_values,
                                            intervals=cmp.intervals)
         step.changes, step.bands = verdict.changes, verdict.bands
-        step.metrics["guards"] = verdict.guards  # the guards in force, for the report (issue 16)
+        step.metrics["guards"] = verdict.guards  # the guards in force, for the report
         step.plan = candidate.to_dict()
         kept, step.reason = verdict.kept, verdict.reason
         if ramp is not None and (note := ramp.holds(verdict.outcome)):
@@ -449,7 +449,7 @@ class Pipeline(Resumable):
         self._trace.steps.append(step)
         self._journal_step(step)  # durable before the outputs show it
         self._finish()
-        note_targets(self._trace, step)  # what is left of each target after this step (issue 15)
+        note_targets(self._trace, step)  # what is left of each target after this step
         self._save()
 
     def _finish(self) -> None:
@@ -497,7 +497,7 @@ class Pipeline(Resumable):
         write_outputs(self.out_dir, {
             "trace.json": trace.to_json(),
             "report.md": trace.to_markdown(),
-            "report.html": trace.to_html(),  # issue 14: the same run as pictures
+            "report.html": trace.to_html(),  # the same run as pictures
             "recipe.yaml": dump_recipe(trace.to_recipe(), header=header),
         })
 

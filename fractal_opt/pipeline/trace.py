@@ -261,14 +261,14 @@ class Trace:
         lines.append("")
         lines += _work_table([self.baseline] if self.baseline else [], self.steps)
         lines += _load_table([self.baseline] if self.baseline else [], self.steps)
-        lines += one_user_lines(self.baseline, self.steps)  # --- what one user gets per step (issue 16, pipeline/one_user.py)
+        lines += one_user_lines(self.baseline, self.steps)  # --- what one user gets per step (pipeline/one_user.py)
         lines += measurement_lines(([self.baseline] if self.baseline else []) + self.steps)
-        lines += _guard_lines(self.steps)  # --- the guards in force per step (engineer B, issue 16)
-        lines += final_lines(self.final)  # --- final vs baseline, only from the final confirmation (engineer B, pipeline/confirm.py)
+        lines += _guard_lines(self.steps)  # --- the guards in force per step
+        lines += final_lines(self.final)  # --- final vs baseline, only from the final confirmation (pipeline/confirm.py)
         lines += answers_lines(self)  # the baseline's and the final plan's answers side by side (report_answers.py)
-        lines += final_one_user_lines(self.final)  # --- the same, for one user (issue 16)
-        lines += [f"Search: {s['answer']} ({s['summary']})." for s in self.searches]  # --- a search pass's answer (engineer D, issue 16)
-        # --- targets (issue 15, pipeline/targets.py): the gap per step and which were met
+        lines += final_one_user_lines(self.final)  # --- the same, for one user
+        lines += [f"Search: {s['answer']} ({s['summary']})." for s in self.searches]  # --- a search pass's answer
+        # --- targets (pipeline/targets.py): the gap per step and which were met
         lines += [""] + target_lines(self.recipe, self.baseline, self.steps, self.final) if self.recipe.get("targets") else []
         # --- end targets
         if not self.finished:
@@ -315,7 +315,7 @@ class Trace:
             out += ["    -> " + lines[0], *("       " + line for line in lines[1:])]
         if dropped:
             out += textwrap.wrap(f"(left out to fit {width} columns: {', '.join(reversed(dropped))}; report.md and report.html have every column)", width=width)
-        out += ["", *target_summary(self.final)] if self.final.get("targets") else []  # targets (issue 15)
+        out += ["", *target_summary(self.final)] if self.final.get("targets") else []  # targets: which were met
         return "\n".join(out)
 
     def _repr_html_(self) -> str:
@@ -383,7 +383,7 @@ def _work_table(baseline: list[Step], steps: list[Step]) -> list[str]:
 
 
 def _guard_lines(steps: list[Step]) -> list[str]:
-    """Markdown lines (engineer B, issue 16): the guards each judged step was held to, steps with
+    """Markdown lines: the guards each judged step was held to, steps with
     the same guards on one line. Empty when no step was judged."""
     groups: dict[tuple[str, ...], list[str]] = {}
     for s in steps:

@@ -181,7 +181,7 @@ def test_wait_quiet_runs_before_the_calibration(monkeypatch):
 
 @pytest.mark.integration  # starts CPU-burner processes
 def test_calibration_next_to_a_cpu_burner_warns_in_the_report(tmp_path, mixed_suite, monkeypatch):
-    """The issue's check: a run whose calibration shares the CPU with spinning processes says in
+    """A run whose calibration shares the CPU with spinning processes says in
     report.md that the machine was busy, with the load and the processes seen at the start.
 
     The engine's timings come from the real clock (real CPU work per token), so the burners widen its

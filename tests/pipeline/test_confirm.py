@@ -145,7 +145,7 @@ def test_plans_that_do_not_fit_together_are_confirmed_one_after_the_other(tmp_pa
 
 def test_two_measurements_of_the_same_plan_are_within_noise():
     """The confirmation's own rule on two engines of one plan: every headline metric is 'within
-    noise', so the same plan is never reported as a change (issue 16: +11.8% / -38% on one plan)."""
+    noise', so the same plan is never reported as a change (on a busy machine: +11.8% / -38% on one plan)."""
     build = JitteryEngine.factory(per_token_ms=2.0)
     plan = Plan(source="fake")
     workload = Workload(suite="default", limit=3, max_new_tokens=12, repeats=4, warmup=1)

@@ -1,4 +1,4 @@
-"""Server.submit racing close(): every ticket ends, close() is safe at any moment (issue 13).
+"""Server.submit racing close(): every ticket ends, close() is safe at any moment.
 
 The server here is the runtime-agnostic base with a scheduler that answers instantly, on an engine
 without a model, so hundreds of trials take about a second: the races are in Server's admission

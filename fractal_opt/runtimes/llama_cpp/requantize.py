@@ -2,7 +2,7 @@
 
 The embedded SmolLM2 GGUF stores its blocks in Q4_1, which llama.cpp's CPU build here multiplies
 without its fast paths: prefill ran at 179 prompt tokens/s, against 430 for a Q4_0 copy (repacked
-at load for the CPU) and 307 for Q8_0 (benchmarks/gguf_types.py, session 6; docs/runtimes.md). llama.cpp's own ``llama-quantize`` is a C++
+at load for the CPU) and 307 for Q8_0 (benchmarks/gguf_types.py on a 2-core Intel Xeon VM, 2026-12-01; docs/runtimes.md). llama.cpp's own ``llama-quantize`` is a C++
 tool that no wheel on the registry ships, so the conversion uses ``gguf.quants`` (numpy
 dequantize / quantize for every ggml type, maintained in llama.cpp's repository) and
 ``GGUFWriter``; only the copy loop is written here.
