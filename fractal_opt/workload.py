@@ -18,11 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
 from .errors import RecipeError, closest
+
+if TYPE_CHECKING:
+    from .conversations import Conversation
 
 __all__ = ["LoadProfile", "Request", "Workload", "packaged_suites"]
 
@@ -136,9 +139,16 @@ class Workload:
         return None if self.load is None else LoadProfile.from_data(self.load)
 
     def requests(self) -> list[Request]:
-        """Load the suite's requests (validated)."""
+        """Load the suite's requests (validated). A conversation suite gives each conversation's
+        first turn (its replay turn by turn is the ``conversations`` load: :meth:`conversations`)."""
         data = _load_suite(self.suite)
         where = f"workload suite {self.suite!r}"
+        from .conversations import is_conversation_data
+
+        profile = self.load_profile()
+        if is_conversation_data(data) or (profile is not None and profile.mode == "conversations"):
+            convs = self.conversations(data)
+            return [c.first_request() for c in convs]
         raw = data.get("requests") if isinstance(data, dict) else data
         if not isinstance(raw, list) or not raw:
             raise RecipeError(f"{where}: expected a non-empty list of requests.")
@@ -151,6 +161,26 @@ class Workload:
                 requests.append(Request.from_data(item, index=i, where=where))
         found.raise_if_any()
         return requests[: self.limit] if self.limit else requests
+
+
+    def conversations(self, data: Any = None) -> list[Conversation]:
+        """The suite read as conversations (every turn), validated against the load profile:
+        ``history: reference`` needs a reference answer for every turn but the last one replayed."""
+        from .conversations import load_conversations
+
+        where = f"workload suite {self.suite!r}"
+        convs = load_conversations(_load_suite(self.suite) if data is None else data, where=where)
+        convs = convs[: self.limit] if self.limit else convs
+        profile = self.load_profile()
+        if profile is not None and profile.history == "reference":
+            for c in convs:
+                replayed = c.turns[: profile.turns] if profile.turns else c.turns
+                missing = [k for k, (_, answer) in enumerate(replayed[:-1], start=1) if answer is None]
+                if missing:
+                    msg = (f"{where}: conversation {c.id!r} has no reference answer for turn {missing[0]}, and the load says "
+                           "history: reference (replay the suite's own answers). Give every turn an 'assistant' answer, or use history: model.")
+                    raise RecipeError(msg)
+        return convs
 
 
 def _load_suite(suite: str) -> Any:
@@ -172,7 +202,9 @@ class LoadProfile:
     """Workload key ``load``: how requests arrive during a measurement.
 
     Attributes:
-        mode: ``closed`` (``concurrency`` requests always in flight) or ``poisson`` (``rate`` per s).
+        mode: ``closed`` (``concurrency`` requests always in flight), ``poisson`` (``rate`` per s)
+            or ``conversations`` (``users`` users, each replaying a conversation of the suite turn
+            by turn: every next prompt is the history, the model's answer and the next message).
         concurrency: closed-loop clients. Under a concurrency ramp the clients follow the level.
         rate: Poisson arrivals per second (required for ``poisson``).
         requests: requests per measurement round (None = 2 × concurrency, at least the suite).
@@ -189,9 +221,21 @@ class LoadProfile:
             time to first token, mean time per output token after the first, end to end. With
             any of them set, the summary reports goodput: the requests (and their tokens) per
             second that finished and met every objective.
+        slo_percentile: the percentile at which the SLOs must hold for a load to be within
+            capacity (90: nine requests in ten meet each objective).
+        users / turns / think_s / history: the ``conversations`` mode: the users at once (user
+            ``u`` replays conversation ``u`` of the suite, cycling), the turns each replays (None =
+            all of its turns), the mean think time between a user's turns (exponential, seeded; 0 =
+            none), and what goes into the history: ``model`` (the runtime's own answers) or
+            ``reference`` (the suite's recorded answers: every plan sees the same prompts).
+        capacity: measure the capacity under the SLOs in every round (the ``capacity`` metric):
+            the highest offered load (``rate`` for poisson, ``users`` for conversations,
+            ``concurrency`` for closed) at which every SLO holds at ``slo_percentile`` and under 1%
+            of requests fail, found by growing the load from the profile's own value until an SLO
+            breaks, then bisecting to ``capacity_resolution`` (relative), at most ``capacity_max``.
     """
 
-    mode: Literal["closed", "poisson"] = "closed"
+    mode: Literal["closed", "poisson", "conversations"] = "closed"
     concurrency: int = 8
     rate: float | None = None
     requests: int | None = None
@@ -205,9 +249,17 @@ class LoadProfile:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     slo_e2e_ms: float | None = None
+    slo_percentile: float = 90.0
+    users: int = 8
+    turns: int | None = None
+    think_s: float = 0.0
+    history: Literal["model", "reference"] = "model"
+    capacity: bool = False
+    capacity_max: float = 256.0
+    capacity_resolution: float = 0.1
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = self._conversation_problems()
         if self.concurrency < 1:
             problems.append(f"'concurrency': got {self.concurrency}, expected an integer >= 1")
         if self.mode == "poisson" and (self.rate is None or self.rate <= 0):
@@ -226,6 +278,43 @@ class LoadProfile:
                 problems.append(f"{name!r}: got {value}, expected milliseconds > 0 or null")
         if problems:
             raise RecipeError("workload, key 'load': " + "; ".join(problems) + ".")
+
+    def _conversation_problems(self) -> list[str]:
+        """What is wrong with the conversation and capacity keys (each named with its value)."""
+        problems = []
+        if self.users < 1:
+            problems.append(f"'users': got {self.users}, expected an integer >= 1")
+        if self.turns is not None and self.turns < 1:
+            problems.append(f"'turns': got {self.turns}, expected an integer >= 1 or null (every turn)")
+        if not self.think_s >= 0:
+            problems.append(f"'think_s': got {self.think_s}, expected seconds >= 0")
+        if not 0 < self.slo_percentile < 100:
+            problems.append(f"'slo_percentile': got {self.slo_percentile}, expected a percentile in (0, 100)")
+        if not 0 < self.capacity_resolution < 1:
+            problems.append(f"'capacity_resolution': got {self.capacity_resolution}, expected a relative width in (0, 1) such as 0.1")
+        if not self.capacity_max > 0:
+            problems.append(f"'capacity_max': got {self.capacity_max}, expected a load > 0")
+        if self.capacity and not self.slos():
+            problems.append("'capacity': true needs at least one SLO (slo_ttft_ms, slo_tpot_ms or slo_e2e_ms): capacity is the load at which they hold")
+        return problems
+
+    def offered(self) -> float:
+        """The offered load this profile names: users, arrivals per second, or closed-loop clients."""
+        if self.mode == "conversations":
+            return float(self.users)
+        if self.mode == "poisson":
+            return float(self.rate or 0.0)
+        return float(self.concurrency)
+
+    def at_load(self, load: float) -> LoadProfile:
+        """The same profile at another offered load (the capacity search's probes)."""
+        import dataclasses
+
+        if self.mode == "conversations":
+            return dataclasses.replace(self, users=max(1, round(load)))
+        if self.mode == "poisson":
+            return dataclasses.replace(self, rate=load)
+        return dataclasses.replace(self, concurrency=max(1, round(load)))
 
     def slos(self) -> dict[str, float]:
         """The latency objectives that are set, by record attribute."""

@@ -65,6 +65,9 @@ class LoadRecord:
     cache_hit: str | None = None  # "exact" / "semantic" when the plan's response cache answered
     prompt_tokens_saved: int = 0  # prompt tokens the plan's prompt budget removed
     text: str = ""  # the answer as the server decoded it (end-of-sequence tokens left out)
+    turn: int | None = None  # conversations: the turn's index (1 = the first message)
+    user: int | None = None  # conversations: the user who sent it
+    cached_tokens: int | None = None  # prompt tokens the runtime reported served from its cache (None: it reports none)
 
     @property
     def ttft_ms(self) -> float | None:
@@ -105,6 +108,7 @@ class LoadRecord:
             token_ids=list(ticket.token_ids), token_times=list(ticket.token_times), delivered_times=list(ticket.delivered_times),
             error=None if ticket.error is None else f"{type(ticket.error).__name__}: {ticket.error}",
             cache_hit=ticket.cache_hit, prompt_tokens_saved=ticket.prompt_tokens_saved, text=ticket.text(),
+            cached_tokens=getattr(ticket, "cached_tokens", None),
         )
 
 

@@ -10,6 +10,8 @@ its memory, GPU and CPU windows and computes the shared per-repeat readings
 - :class:`LoadRounds`: the workload's ``load`` profile through a fresh server per round
   (:func:`fractal_opt.measure.load.run_load`); percentiles, request counts and goodput as callers
   saw them.
+- :class:`~fractal_opt.measure.conversation_rounds.ConversationRounds`: the ``conversations`` load,
+  users replaying the suite's conversations turn by turn, with the per-turn table.
 """
 
 from __future__ import annotations
@@ -155,7 +157,12 @@ def _as_generation(rec: LoadRecord) -> Generation:
 
 
 def rounds_for(engine: Engine, workload: Workload, requests: Sequence[Request]) -> Rounds:
-    """The source a workload asks for: its ``load`` profile through a server, else the suite."""
+    """The source a workload asks for: its ``load`` profile through a server (conversations
+    replayed turn by turn, or single requests), else the suite."""
     if getattr(workload, "load", None):
+        if workload.load_profile().mode == "conversations":
+            from .conversation_rounds import ConversationRounds
+
+            return ConversationRounds(engine, workload, requests)
         return LoadRounds(engine, workload, requests)
     return SuiteRounds(engine, workload, requests)

@@ -64,6 +64,7 @@ class Ticket:
         self.hit_cap = False
         self.cache_hit: str | None = None  # "exact" / "semantic" when the response cache answered
         self.prompt_tokens_saved = 0  # prompt tokens the plan's prompt budget removed
+        self.cached_tokens: int | None = None  # prompt tokens the runtime served from its prefix cache, where it says
         self.streamed = True  # False: no per-token clock (token_times all read at the end)
         self.ended_on_eos = False
         self.stops: tuple[str, ...] = ()

@@ -55,6 +55,8 @@ class LlamaServer(SlotServer):
             self._end(ticket, "error", e)
             return
         ticket.prompt_tokens = answer.prompt_tokens
+        if "cache_n" in answer.timings:  # llama.cpp's own count of prompt tokens its slot cache served
+            ticket.cached_tokens = int(answer.timings["cache_n"])
         ticket.ended_on_stop = bool(ticket.request_stops) and answer.finish_reason == "stop"  # not hit_cap, however many tokens that took
         self._end(ticket, "done")
 

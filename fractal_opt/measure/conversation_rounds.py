@@ -1,0 +1,98 @@
+"""The ``conversations`` load as rounds of the one measurement runner.
+
+Each round replays every user's conversation through a fresh server
+(:func:`~fractal_opt.measure.conversation_load.run_conversations`) as new users (round ``r``'s
+first messages carry session ``r``, so no round reuses another's conversation from a prefix cache;
+the warm-up's users are session 0). Its readings are what :class:`~fractal_opt.measure.rounds.LoadRounds`
+gives (TTFT / ITL / e2e percentiles as callers saw them, request counts, goodput), plus the per-turn
+table (:func:`~fractal_opt.measure.conversation_load.by_turn`); ``extra()["load"]["by_turn"]`` is
+that table over every round, which the trace keeps with the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import EngineError
+from .conversation_load import by_turn, run_conversations
+from .load import LoadRecord, LoadResult
+from .metrics import PERCENTILE_METRICS, Sample
+
+if TYPE_CHECKING:
+    from ..engine.protocol import Engine
+    from ..workload import Request, Workload
+
+__all__ = ["ConversationRounds", "load_readings"]
+
+_WARMUP_TOKENS = 8  # the warm-up's budget per turn (every prompt shape through the kernels, briefly)
+
+
+class ConversationRounds:
+    """Rounds that replay the suite's conversations, ``users`` at once, turn by turn.
+
+    Raises (from ``serve`` / ``check_memory``):
+        EngineError: a turn failed, or the round left less than ``memory_headroom`` free.
+    """
+
+    def __init__(self, engine: Engine, workload: Workload, requests: Sequence[Request]):
+        self.engine = engine
+        self.workload = workload
+        self.profile = workload.load_profile()
+        self.conversations = workload.conversations()
+        self.users = self.profile.users
+        self.records: list[LoadRecord] = []  # every round's, for the per-turn table over all rounds
+        self.rounds: list[dict[str, Any]] = []
+
+    def warm_up(self) -> None:
+        warm = dataclasses.replace(self.profile, turns=1, think_s=0.0)
+        with self.engine.server(seed=self.workload.seed, ignore_eos=self.profile.ignore_eos) as server:
+            run_conversations(server, self.conversations, warm, max_new_tokens=min(_WARMUP_TOKENS, self.workload.max_new_tokens), session=0)
+
+    def serve(self, repeat: int) -> Any:
+        from .rounds import Round
+
+        with self.engine.server(seed=self.workload.seed, ignore_eos=self.profile.ignore_eos) as server:
+            result = run_conversations(server, self.conversations, self.profile, max_new_tokens=self.workload.max_new_tokens, session=repeat + 1)
+        errors = [rec for rec in result.records if rec.status == "error"]
+        if errors:
+            raise EngineError(f"{len(errors)} of {len(result.records)} turns failed under the conversations load ({self.users} users): {errors[0].error}")
+        readings, counts = load_readings(result)
+        readings["turns"] = by_turn(result.records)
+        self.rounds.append(counts)
+        self.records.extend(result.records)
+        done = [rec for rec in result.records if rec.status == "done"]
+        samples = [dataclasses.replace(Sample.from_generation(_generation(rec), repeat=repeat), ttft_ms=rec.ttft_ms) for rec in done]
+        return Round(samples=samples, wall_s=result.wall_s, output_tokens=result.output_tokens(),
+                     outputs={rec.id: list(rec.token_ids) for rec in done}, texts={rec.id: rec.text for rec in done}, readings=readings)
+
+    def check_memory(self, peak_mb: float | None, capacity: float | None) -> None:
+        if capacity and peak_mb is not None and peak_mb > (1 - self.profile.memory_headroom) * capacity:
+            msg = (f"memory headroom tripped under the conversations load: peak {peak_mb:.0f} MB of {capacity:.0f} MB leaves less than "
+                   f"{self.profile.memory_headroom:.0%} free ({self.users} users)")
+            raise EngineError(msg)
+
+    def extra(self) -> dict[str, Any]:
+        p = self.profile
+        turns = sum(len(self.conversations[u % len(self.conversations)].turns[: p.turns or None]) for u in range(self.users))
+        return {"load": {"mode": "conversations", "clients": self.users, "requests": turns, "users": self.users, "turns": p.turns, "think_s": p.think_s, "history": p.history,
+                         "conversations": len(self.conversations), "rounds": list(self.rounds), "by_turn": by_turn(self.records)}}
+
+
+def load_readings(result: LoadResult) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A load round's readings (percentiles as callers saw them, counts, goodput) and its counts."""
+    summary = result.summary()
+    counts = {k: summary[k] for k in ("requests", "done", "timeout", "cancelled", "rejected", "error", "output_tokens", "slo_met") if k in summary}
+    readings: dict[str, Any] = {k: summary[k] for k in PERCENTILE_METRICS}
+    readings["load"] = counts
+    readings["goodput_tokens_per_s"] = summary.get("goodput_tokens_per_s")  # None unless the profile sets an SLO
+    return readings, counts
+
+
+def _generation(rec: LoadRecord) -> Any:
+    from ..engine.protocol import Generation
+
+    return Generation(request_id=rec.id, text=rec.text, token_ids=rec.token_ids, prompt_tokens=rec.prompt_tokens, t_submit=rec.t_submit,
+                      t_prefill_start=rec.t_start if rec.t_start is not None else rec.t_submit, token_times=rec.token_times,
+                      hit_cap=len(rec.token_ids) >= rec.max_new_tokens)
