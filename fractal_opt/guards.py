@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .measure.metrics import METRICS
+from .text import fmt
 
 __all__ = ["ALL_METRICS", "CENSUS_METRICS", "QUALITY_METRICS", "WORSE_P", "Evidence", "Finding", "Guard", "finite", "fmt", "move"]
 
@@ -199,15 +200,6 @@ def _below(v: float, limit: float) -> bool:
 def finite(v: object) -> bool:
     """True for a real number that is neither NaN nor infinite (bools and None are not numbers here)."""
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def fmt(v: float | None) -> str:
-    """A number as verdicts quote it: 4 significant digits below 10, one decimal above."""
-    if v is None:
-        return "n/a"
-    if not finite(v):
-        return repr(v)
-    return f"{v:.4g}" if abs(v) < 10 else f"{v:.1f}"
 
 
 def move(metric: str, ev: Evidence, change: float) -> str:

@@ -14,8 +14,9 @@ from typing import Any
 
 from .errors import RecipeError, closest
 from .policy import ALL_METRICS
+from .text import fmt
 
-__all__ = ["Target", "Targets", "format_number", "parse_targets"]
+__all__ = ["Target", "Targets", "parse_targets"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Target:
     def gap(self, value: float | None) -> dict[str, Any]:
         """How ``value`` stands against the target: met, the ratio (>= 1 when met) and a sentence."""
         if value is None:
-            return {"target": self.value, "value": None, "met": False, "ratio": None, "text": f"not measured (target {format_number(self.value)})"}
+            return {"target": self.value, "value": None, "met": False, "ratio": None, "text": f"not measured (target {fmt(self.value, whole=True)})"}
         if value <= 0 and self.higher_is_better:
             ratio = 0.0
         elif value <= 0:
@@ -41,11 +42,11 @@ class Target:
             ratio = value / self.value if self.higher_is_better else self.value / value
         met = ratio >= 1.0
         if met:
-            text = f"{format_number(value)} vs {format_number(self.value)}: met" + (f" ({ratio:.1f}x)" if ratio >= 1.1 and math.isfinite(ratio) else "")
+            text = f"{fmt(value, whole=True)} vs {fmt(self.value, whole=True)}: met" + (f" ({ratio:.1f}x)" if ratio >= 1.1 and math.isfinite(ratio) else "")
         else:
             short = (1 / ratio) if ratio > 0 else math.inf
             word = "short" if self.higher_is_better else "over"
-            text = f"{format_number(value)} vs {format_number(self.value)}: {short:.1f}x {word}" if math.isfinite(short) else f"{format_number(value)} vs {format_number(self.value)}: not met"
+            text = f"{fmt(value, whole=True)} vs {fmt(self.value, whole=True)}: {short:.1f}x {word}" if math.isfinite(short) else f"{fmt(value, whole=True)} vs {fmt(self.value, whole=True)}: not met"
         return {"target": self.value, "value": value, "met": met, "ratio": round(ratio, 4) if math.isfinite(ratio) else None, "text": text}
 
 
@@ -84,10 +85,3 @@ def parse_targets(data: Any, *, where: str = "recipe: targets") -> Targets:
             raise RecipeError(f"{where}.{metric}: got {value!r}, expected a positive finite number ({metric} {direction} this value).")
         items.append(Target(str(metric), float(value)))
     return Targets(tuple(items))
-
-
-def format_number(v: float) -> str:
-    """A number as a reader writes it: 30, 7.9, 0.05."""
-    if v == int(v) and abs(v) >= 1:
-        return str(int(v))
-    return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"

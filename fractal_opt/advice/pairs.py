@@ -17,6 +17,7 @@ from ..measure.metrics import METRICS, Measurement
 from ..measure.noise import band
 from ..measure.runner import measure_pair, paired_changes
 from ..plan import Plan
+from ..text import fmt
 from ..workload import Workload
 
 __all__ = ["Engines", "PairResult", "measure_plans"]
@@ -57,7 +58,7 @@ class PairResult:
             return f"{self.metric}: not measured"
         iv = f" [{self.interval[0]:+.1%}, {self.interval[1]:+.1%}]" if self.interval else ""
         word = "worse" if self.worse else "better" if self.better else "within noise"
-        return f"{self.metric} {_fmt(self.after)} vs {_fmt(self.before)}: {self.change:+.1%}{iv}, band ±{self.band:.1%}: {word}"
+        return f"{self.metric} {fmt(self.after, missing='–')} vs {fmt(self.before, missing='–')}: {self.change:+.1%}{iv}, band ±{self.band:.1%}: {word}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"metric": self.metric, "before": self.before, "after": self.after, "change": self.change,
@@ -103,9 +104,3 @@ def measure_plans(before: Engine, after: Engine, workload: Workload, *, metric: 
     iv = intervals.get(metric)
     return PairResult(metric=metric, before=a.summary().get(metric), after=b.summary().get(metric), change=iv.change if iv else None,
                       interval=(iv.low, iv.high) if iv else None, band=band(iv, min_effect=min_effect), before_measurement=a, after_measurement=b)
-
-
-def _fmt(v: float | None) -> str:
-    if v is None:
-        return "–"
-    return f"{v:.1f}" if abs(v) < 1000 else f"{v:.0f}"

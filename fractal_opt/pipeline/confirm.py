@@ -26,11 +26,13 @@ back-to-back step's does.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..measure.metrics import METRICS, Measurement
 from ..measure.noise import band
 from ..measure.runner import measure, measure_pair, paired_changes
+from ..text import fmt
 
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
@@ -217,10 +219,7 @@ def final_lines(final: Mapping[str, Any], *, markdown: bool = True) -> list[str]
     return out
 
 
-def _num(v: Any) -> str:
-    if not isinstance(v, int | float) or isinstance(v, bool):
-        return "–"
-    return f"{v:.4g}" if abs(v) < 10 else f"{v:.1f}"
+_num = partial(fmt, missing="–")  # the one number formatter, with the tables' dash for a missing value
 
 
 def _cell(entry: Mapping[str, Any]) -> str:

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..text import clip
+
 __all__ = ["AnswerPair", "answer_pairs", "answers_html", "answers_lines", "answers_text", "final_quality"]
 
 _CLIP = 160  # characters of an answer shown in report.md / report.html tables (the trace has them whole)
@@ -69,11 +71,6 @@ def _verdict(p: AnswerPair) -> str:
     return {(True, False): "lost (was right)", (False, True): "gained (now right)"}.get(p.passed, "reworded, " + ("right" if p.passed[0] else "wrong"))
 
 
-def _clip(text: str, n: int = _CLIP) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= n else flat[: n - 1] + "…"
-
-
 def _pairs_of(trace: Any) -> list[AnswerPair]:
     if getattr(trace, "baseline", None) is None:
         return []
@@ -95,7 +92,7 @@ def answers_lines(trace: Any) -> list[str]:
     pairs = _pairs_of(trace)
     if not pairs:
         return []
-    cell = lambda t: _clip(t).replace("|", "\\|")  # noqa: E731
+    cell = lambda t: clip(t, _CLIP).replace("|", "\\|")  # noqa: E731
     out = ["", "## Answers: baseline and final plan side by side", "",
            f"Greedy answers, the changed ones first ({_summary(pairs, final_quality(trace))}).", "",
            "| prompt | baseline | final plan | |", "|---|---|---|---|"]
@@ -108,7 +105,7 @@ def answers_html(trace: Any) -> str:
     pairs = _pairs_of(trace)
     if not pairs:
         return ""
-    esc = lambda t: html.escape(_clip(t))  # noqa: E731
+    esc = lambda t: html.escape(clip(t, _CLIP))  # noqa: E731
     rows = "".join(f"<tr class='{'changed' if p.changed else 'same'}'><td>{esc(p.prompt)}</td><td>{esc(p.baseline)}</td>"
                    f"<td>{esc(p.final)}</td><td>{html.escape(_verdict(p))}</td></tr>" for p in pairs)
     return ("<section id='answers'><h2>Answers: baseline and final plan side by side</h2>"
@@ -124,6 +121,6 @@ def answers_text(trace: Any, *, limit: int = 6, width: int = 100) -> list[str]:
         return []
     out = [f"Answers ({_summary(pairs, final_quality(trace))}); report.md has them all:"]
     for p in pairs[:limit]:
-        out += [f"  Q: {_clip(p.prompt, width - 5)}", f"     baseline: {_clip(p.baseline, width - 15)}",
-                f"     final:    {_clip(p.final, width - 15)}  [{_verdict(p)}]"]
+        out += [f"  Q: {clip(p.prompt, width - 5)}", f"     baseline: {clip(p.baseline, width - 15)}",
+                f"     final:    {clip(p.final, width - 15)}  [{_verdict(p)}]"]
     return out

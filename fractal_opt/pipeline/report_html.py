@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import RecipeError
 from ..passes import Layer
 from ..policy import QUALITY_METRICS, Guard, Policy
+from ..text import clip as _clip
 from . import one_user
 from .confirm import final_lines
 from .report_answers import answers_html
@@ -542,7 +543,3 @@ def _machine(trace: Trace) -> list[str]:
     rows.append(("packages", ", ".join(f"{k} {v}" for k, v in packages.items() if v)))
     dl = "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in rows)
     return ["<h2>The machine</h2>", f"<dl>{dl}</dl>"]
-
-
-def _clip(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..text import clip
+
 __all__ = ["COLOURS", "Bar", "Svg", "data_attrs", "esc", "fmt_num", "hbar_chart", "nice_max", "range_chart"]
 
 # Verdict colours (colour-blind safe pairs: blue / green / orange / red / grey).
@@ -139,7 +141,7 @@ def hbar_chart(rows: Sequence[Bar], *, title: str, unit: str, width: int = 980, 
     svg.axis(x0, x1, y_axis, 4, top_v, unit)
     for i, r in enumerate(rows):
         y = 10 + i * row_h
-        svg.text(x0 - 8, y + row_h * 0.65, _clip(r.label, 40), anchor="end", tip=r.label)
+        svg.text(x0 - 8, y + row_h * 0.65, clip(r.label, 40), anchor="end", tip=r.label)
         if is_num(r.value):
             svg.rect(x0, y + 4, min(r.value, top_v) * scale, row_h - 8, fill=COLOURS.get(r.status, COLOURS["other"]),
                      extra=data_attrs(r.step, r.metric, r.value), tip=r.tip or f"{r.label}: {fmt_num(r.value)} {unit}")
@@ -167,7 +169,7 @@ def range_chart(rows: Sequence[Bar], *, title: str, unit: str, width: int = 980,
     for i, r in enumerate(rows):
         y = 10 + i * row_h + row_h / 2
         colour = COLOURS.get(r.status, COLOURS["other"])
-        svg.text(x0 - 8, y + 4, _clip(r.label, 40), anchor="end", tip=r.label)
+        svg.text(x0 - 8, y + 4, clip(r.label, 40), anchor="end", tip=r.label)
         pts = [(x0 + v * scale, v, metric, name) for v, metric, name in r.points if is_num(v)]
         if len(pts) >= 2:
             svg.line(pts[0][0], y, pts[-1][0], y, stroke=colour, width=2)
@@ -181,7 +183,3 @@ def range_chart(rows: Sequence[Bar], *, title: str, unit: str, width: int = 980,
 def _lighter(colour: str) -> str:
     r, g, b = (int(colour[i : i + 2], 16) for i in (1, 3, 5))
     return "#{:02x}{:02x}{:02x}".format(*((c + 255) // 2 for c in (r, g, b)))
-
-
-def _clip(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"

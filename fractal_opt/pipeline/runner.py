@@ -11,7 +11,6 @@ The runner knows no particular pass or runtime. It asks a pass through its proto
 
 from __future__ import annotations
 
-import textwrap
 import time
 import traceback
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from ..quality.evals import eval_set_name, load_eval_set, score
 from ..quality.probes import agreement, agreement_between, build_reference, model_probes
 from ..quiet import quiet_third_party
 from ..recipe import Recipe, dump_recipe, load_recipe
+from ..text import clip
 from ..workload import Request
 from . import confirm
 from .deadline import StepTimeout, WorkerAbandoned, abandoned, checkpoint, run_with_deadline
@@ -566,4 +566,4 @@ def optimize(recipe: Recipe | str | Path | dict, *, out: str | Path | None = Non
 def _clip(text: str, width: int) -> str:
     """``text`` cut at a word boundary to at most ``width`` characters, ending "… [report.md]" when
     cut: the progress line stays one screen line, and the whole reason is in the report."""
-    return textwrap.shorten(text, width, placeholder=" … [report.md]")
+    return clip(text, width, tail=" … [report.md]", words=True)

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..policy import ALL_METRICS
-from ..targets import Target, Targets, format_number, parse_targets
+from ..targets import Target, Targets, parse_targets
+from ..text import fmt
 
 __all__ = ["Target", "Targets", "all_met", "binding_limit", "gaps", "note_targets", "parse_targets", "stop_reason", "target_lines", "target_summary"]
 
@@ -54,7 +55,7 @@ def binding_limit(metric: str, target: float, metrics: Mapping[str, Any], limits
     bandwidth = limits.get("bandwidth_bytes_per_s")
     flops = (limits.get("peak_flops") or {}).get(dtype) or (limits.get("peak_flops") or {}).get("float32")
     value = _value(metrics, metric)
-    now = f"{format_number(value)} now" if value is not None else "not measured"
+    now = f"{fmt(value, whole=True)} now" if value is not None else "not measured"
     if metric in ("decode_tokens_per_s", "decode_ms_per_token", "throughput_tokens_per_s", "goodput_tokens_per_s", "itl_ms_p50", "itl_ms_p90", "itl_ms_p99"):
         per_request = metric != "throughput_tokens_per_s" and metric != "goodput_tokens_per_s"
         rate = target if metric.endswith("tokens_per_s") else 1000.0 / target
@@ -62,7 +63,7 @@ def binding_limit(metric: str, target: float, metrics: Mapping[str, Any], limits
         if not step_bytes or not bandwidth:
             return f"{metric}: {now}; no roofline numbers for this plan (no model config or no machine ceilings) to say which limit binds."
         needed = rate * step_bytes
-        what = f"{format_number(rate)} tokens/s" + ("" if metric.endswith("tokens_per_s") else f" ({metric} {format_number(target)} ms)")
+        what = f"{fmt(rate, whole=True)} tokens/s" + ("" if metric.endswith("tokens_per_s") else f" ({metric} {fmt(target, whole=True)} ms)")
         head = (f"{what} needs {needed / 1e9:.1f} GB/s of weight and KV reads ({step_bytes / 1e9:.3f} GB per "
                 f"{'decode step' if per_request else 'token at batch ' + str(roof.get('batch', 1))}, {dtype}); "
                 f"this machine gives {bandwidth / 1e9:.1f} GB/s")
@@ -83,13 +84,13 @@ def binding_limit(metric: str, target: float, metrics: Mapping[str, Any], limits
         head = (f"the median prompt's prefill is {f_prefill / 1e9:.1f} GFLOP; this machine's "
                 f"{flops / 1e9:.0f} GFLOP/s ({dtype}) makes it {best_ms:.0f} ms at best")
         if best_ms > target:
-            return head + f", over the {format_number(target)} ms target: shorter prompts (a prompt budget, a prefix cache) or faster matmuls (bfloat16 on hardware with bf16 units) are the way there."
+            return head + f", over the {fmt(target, whole=True)} ms target: shorter prompts (a prompt budget, a prefix cache) or faster matmuls (bfloat16 on hardware with bf16 units) are the way there."
         return head + f" ({now}): queueing and overhead bind, not compute: batching that does not hold new requests back, fewer concurrent clients, compile."
     if metric in ("peak_memory_mb", "weight_mb", "memory_headroom_mb"):
         weights = _value(metrics, "weight_mb")
         w = f"the weights alone are {weights:.0f} MB" if weights else "the weights' size is unknown"
-        return f"{metric}: {now} against {format_number(target)} MB; {w}: fewer bytes per weight (int8, 4-bit), KV-cache bits, a context cap and a smaller batch are the way there."
-    return f"{metric}: {now} against {format_number(target)}; no roofline rule for this metric, so no binding limit can be named."
+        return f"{metric}: {now} against {fmt(target, whole=True)} MB; {w}: fewer bytes per weight (int8, 4-bit), KV-cache bits, a context cap and a smaller batch are the way there."
+    return f"{metric}: {now} against {fmt(target, whole=True)}; no roofline rule for this metric, so no binding limit can be named."
 
 
 # ---------------------------------------------------------------------------- the runner's hook
@@ -133,7 +134,7 @@ def target_lines(recipe: Mapping[str, Any], baseline: Any, steps: list[Any], fin
     if not targets:
         return []
     names = list(targets)
-    out = ["Targets (" + ", ".join(f"{m} {'>=' if ALL_METRICS.get(m, True) else '<='} {format_number(v)}" for m, v in targets.items()) + "); "
+    out = ["Targets (" + ", ".join(f"{m} {'>=' if ALL_METRICS.get(m, True) else '<='} {fmt(v, whole=True)}" for m, v in targets.items()) + "); "
            "what is left for the plan kept after each step:", "",
            "| step | status | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for s in ([baseline] if baseline else []) + list(steps):
