@@ -4,7 +4,8 @@ Every error is a :class:`FractalOptError`, so an app can catch them all in one p
 
     FractalOptError
     ├── RecipeError          bad recipe / pass / plan input, raised before any model is loaded
-    │   └── ResumeError      the output folder holds another run, or a run that cannot be resumed
+    │   ├── ResumeError      the output folder holds another run, or a run that cannot be resumed
+    │   └── BadRequest       one request's field the server cannot take (HTTP 400; ``param`` names it)
     ├── ModelSourceError     the model cannot be found or installed (says how to get it)
     └── EngineError          building or serving a plan failed
         ├── RequestRejected  the engine refused a request (over the context cap, queue full)
@@ -17,6 +18,7 @@ import difflib
 from collections.abc import Iterable
 
 __all__ = [
+    "BadRequest",
     "EngineError",
     "FractalOptError",
     "ModelSourceError",
@@ -40,6 +42,17 @@ class ResumeError(RecipeError):
     """The output folder holds another run (and neither resume nor force was asked for), or the
     run there cannot be resumed (its fingerprint differs: the message says what changed).
     Raised before any model is loaded, so the folder's files are left as they were."""
+
+
+class BadRequest(RecipeError):
+    """One request's field that the server cannot take: ``param`` names it (``messages[1].content``,
+    ``temperature``), the message the value and what is allowed. The HTTP endpoint answers it with
+    a 400 and OpenAI's error body; ``Server.submit`` raises it for a sampling value out of range or
+    one its scheduler cannot honour per request."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class ModelSourceError(FractalOptError):

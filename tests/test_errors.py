@@ -6,6 +6,7 @@ import pytest
 
 from fractal_opt import errors
 from fractal_opt.errors import (
+    BadRequest,
     EngineError,
     FractalOptError,
     ModelSourceError,
@@ -17,7 +18,7 @@ from fractal_opt.errors import (
 )
 
 
-@pytest.mark.parametrize(("error", "parent"), [(RecipeError, FractalOptError), (ResumeError, RecipeError), (ModelSourceError, FractalOptError),
+@pytest.mark.parametrize(("error", "parent"), [(RecipeError, FractalOptError), (ResumeError, RecipeError), (BadRequest, RecipeError), (ModelSourceError, FractalOptError),
                                                (EngineError, FractalOptError), (RequestRejected, EngineError), (RunFailed, EngineError)])
 def test_each_error_sits_where_the_docstring_draws_it(error, parent):
     """The tree in the module docstring is the tree of classes, and each class is named in it."""

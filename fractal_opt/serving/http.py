@@ -44,12 +44,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..errors import EngineError, RecipeError, RequestRejected
+from ..errors import BadRequest, EngineError, RecipeError, RequestRejected
 from .http_limits import BodyError, HttpLimits, read_json
 from .http_metrics import ServeMetrics
 from .http_stream import TicketStream, Watch, sse, whole
-from .openai_requests import BadRequest, Parsed, parse_chat, parse_completion
-from .sampling import SamplingError
+from .openai_requests import Parsed, parse_chat, parse_completion
 from .ticket import Ticket
 
 __all__ = ["create_app"]
@@ -246,7 +245,7 @@ async def _submit(svc: _Service, parsed: Parsed, endpoint: str) -> Any:
     try:
         return await asyncio.to_thread(svc.server.submit, parsed.messages, max_new_tokens=parsed.max_tokens, stop=parsed.stop, temperature=parsed.temperature,
                                        top_p=parsed.top_p, seed=parsed.seed, over_cap=svc.over_cap == "honour")
-    except SamplingError as e:  # sampling this scheduler cannot honour per request
+    except BadRequest as e:  # sampling this scheduler cannot honour per request
         svc.metrics.refused(endpoint, "bad_request")
         return error(400, str(e), param=e.param)
     except RecipeError as e:

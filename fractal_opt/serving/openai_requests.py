@@ -34,22 +34,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import closest
-from .sampling import SamplingError, check
+from ..errors import BadRequest, closest
+from .sampling import check
 
-__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "NEUTRAL", "BadRequest", "Parsed", "parse_chat", "parse_completion"]
+__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "NEUTRAL", "Parsed", "parse_chat", "parse_completion"]
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_STOPS = 4  # OpenAI's limit on stop sequences per request
 _SURROGATE = re.compile("[\ud800-\udfff]")  # UTF-16 halves: JSON may carry one alone ("\\ud800"), UTF-8 cannot
-
-
-class BadRequest(ValueError):
-    """A request field the server cannot take: ``param`` names it (``messages[1].content``)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -176,10 +168,7 @@ def _common(body: Mapping[str, Any], messages: list[dict[str, str]], *, served: 
                          f"Omit it, or send {ignore_eos!r}.")
     if body.get("user") is not None and not isinstance(body.get("user"), str):
         raise BadRequest("user", f"'user': got {_show(body.get('user'))}, expected a string (an end-user id).")
-    try:
-        sampling = check(body.get("temperature"), body.get("top_p"), body.get("seed"))
-    except SamplingError as e:
-        raise BadRequest(e.param, str(e)) from None
+    sampling = check(body.get("temperature"), body.get("top_p"), body.get("seed"))
     return Parsed(messages=messages, max_tokens=max_tokens, stop=stops, stream=stream, include_usage=bool(options.get("include_usage")), model=model,
                   temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, max_tokens_field=name)
 

@@ -13,17 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import RecipeError
+from ..errors import BadRequest
 
-__all__ = ["Decoding", "Sampling", "SamplingError", "check", "decoding", "differs"]
-
-
-class SamplingError(RecipeError):
-    """A per-request sampling value the server cannot take: ``param`` names the field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+__all__ = ["Decoding", "Sampling", "check", "decoding", "differs"]
 
 
 @dataclass(frozen=True)
@@ -55,14 +47,14 @@ def check(temperature: Any = None, top_p: Any = None, seed: Any = None) -> Sampl
     """The checked fields as a :class:`Sampling`.
 
     Raises:
-        SamplingError: naming the field, the value and what is allowed.
+        BadRequest: naming the field, the value and what is allowed.
     """
     if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
-        raise SamplingError("temperature", f"'temperature': got {temperature!r}, expected a number in [0, 2] (0: greedy).")
+        raise BadRequest("temperature", f"'temperature': got {temperature!r}, expected a number in [0, 2] (0: greedy).")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
-        raise SamplingError("top_p", f"'top_p': got {top_p!r}, expected a number in (0, 1].")
+        raise BadRequest("top_p", f"'top_p': got {top_p!r}, expected a number in (0, 1].")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise SamplingError("seed", f"'seed': got {seed!r}, expected an integer.")
+        raise BadRequest("seed", f"'seed': got {seed!r}, expected an integer.")
     return Sampling(None if temperature is None else float(temperature), None if top_p is None else float(top_p), seed)
 
 

@@ -42,9 +42,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..engine.protocol import Generation, as_request
-from ..errors import EngineError, RequestRejected
+from ..errors import BadRequest, EngineError, RequestRejected
 from ..workload import Request
-from .sampling import Decoding, Sampling, SamplingError, check, decoding, differs
+from .sampling import Decoding, Sampling, check, decoding, differs
 from .ticket import TERMINAL, Ticket
 
 if TYPE_CHECKING:
@@ -119,13 +119,13 @@ class Server:
             RequestRejected: the queue holds ``max_queue`` requests already, or the server is closed;
                 the exception's ``ticket`` attribute is the rejected ticket.
             RecipeError: the chat messages are not ``{"role", "content"}`` mappings.
-            SamplingError: a sampling value out of range, or one this scheduler cannot honour per
+            BadRequest: a sampling value out of range, or one this scheduler cannot honour per
                 request (``param`` names the field).
         """
         request = as_request(request, where="submit()")
         sampling = check(temperature, top_p, seed)
         if (why := self.sampling_refused(sampling)) is not None:
-            raise SamplingError(*why)
+            raise BadRequest(*why)
         timeout_s = timeout_s if timeout_s is not None else self.plan.scheduling.timeout_s
         ticket = self._ticket(request, max_new_tokens=max_new_tokens, timeout_s=timeout_s, over_cap=over_cap)
         ticket.sampling = sampling

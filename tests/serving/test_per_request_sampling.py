@@ -11,7 +11,7 @@ import pytest
 
 from fractal_opt.plan import Plan, SchedulingPlan
 from fractal_opt.runtimes import Engine
-from fractal_opt.serving.sampling import SamplingError
+from fractal_opt.errors import BadRequest
 
 PROMPT = "Tell me a story about a small boat."
 BUDGET = 12
@@ -59,7 +59,8 @@ def test_top_p_is_applied(sequential):
 
 @pytest.mark.parametrize("field,value", [("temperature", -1), ("temperature", 2.5), ("top_p", 2), ("top_p", 0), ("seed", 1.5), ("seed", True)])
 def test_bad_values_are_refused_naming_the_field(sequential, field, value):
-    with pytest.raises(SamplingError) as e:
+    """Server.submit refuses an out-of-range sampling value with the one request error, BadRequest, naming the field."""
+    with pytest.raises(BadRequest) as e:
         sequential.submit(PROMPT, **{field: value})
     assert e.value.param == field and field in str(e.value)
 
@@ -90,7 +91,7 @@ def test_a_sampled_request_bypasses_the_response_cache(tiny_dir):
 
 def test_continuous_batching_refuses_sampling_it_cannot_honour_per_request(tiny_dir):
     with _engine(tiny_dir, batching="continuous").server() as server:
-        with pytest.raises(SamplingError) as e:
+        with pytest.raises(BadRequest) as e:
             server.submit(PROMPT, temperature=0.7)
         assert e.value.param == "temperature" and "continuous" in str(e.value)
         ticket = server.submit(PROMPT, max_new_tokens=3, temperature=0, seed=9)  # the plan's own (greedy) decoding
