@@ -15,7 +15,9 @@ import platform
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["OPTIONAL_PACKAGES", "Machine", "cpu_flags", "resolve_device"]
+from .errors import RecipeError
+
+__all__ = ["OPTIONAL_PACKAGES", "Machine", "MachinePrice", "cpu_flags", "resolve_device"]
 
 # Packages whose presence decides whether a pass can run (kernels, quantization backends).
 OPTIONAL_PACKAGES = ("torch", "transformers", "accelerate", "bitsandbytes", "torchao", "optimum-quanto", "hqq", "flash-attn", "nvidia-ml-py", "xllamacpp", "gguf")
@@ -36,6 +38,7 @@ class Machine:
     mps: bool = False
     torch_threads: int | None = None  # torch's intra-op thread count when probed (its default here)
     packages: dict[str, str | None] = field(default_factory=dict)  # name -> version or None
+    price_per_hour: float | None = None  # the recipe's machine: {price_per_hour} (dollars), for the cost per token
 
     @property
     def has_cuda(self) -> bool:
@@ -136,3 +139,32 @@ def _cpu_name() -> str:
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as Linux lists them in /proc/cpuinfo (empty elsewhere)."""
     return frozenset(_cpuinfo_field("flags").split())
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachinePrice:
+    """Recipe key ``machine``: what the machine costs, so each plan's tokens get a price.
+
+    Attributes:
+        price_per_hour: dollars an hour for the whole machine (a cloud instance's price, or the
+            amortized cost of your own); each round's ``usd_per_m_tokens`` is this price for the
+            round's wall time per million output tokens. None: no dollar figures.
+    """
+
+    price_per_hour: float | None = None
+
+    def __post_init__(self) -> None:
+        value = self.price_per_hour
+        if value is not None and not (value > 0 and value != float("inf")):
+            raise RecipeError(f"machine, key 'price_per_hour': got {value}, expected dollars per hour > 0 (finite) or null.")
+
+    def on(self, machine: Machine) -> Machine:
+        """``machine`` with this price (the probed facts unchanged)."""
+        return machine if self.price_per_hour is None else dataclasses.replace(machine, price_per_hour=self.price_per_hour)
+
+    @classmethod
+    def from_data(cls, data: Any) -> MachinePrice:
+        """Build from the recipe's ``machine`` mapping, naming unknown keys and wrong types."""
+        from .validate import build
+
+        return build(cls, data, where="machine")

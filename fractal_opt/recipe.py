@@ -38,6 +38,7 @@ import yaml
 from . import models
 from .errors import ModelSourceError, RecipeError, closest
 from .layers import get_pass, registry
+from .machine import MachinePrice
 from .passes import Layer, Pass
 from .plan import Plan
 from .policy import Policy
@@ -52,7 +53,7 @@ __all__ = ["RECIPE_VERSION", "Recipe", "dump_recipe", "load_recipe"]
 # older fractal_opt refuses a newer recipe instead of misreading it.
 RECIPE_VERSION = 1
 
-TOP_LEVEL = ("version", "name", "model", "workload", "policy", "quality", "targets", "passes")
+TOP_LEVEL = ("version", "name", "model", "workload", "policy", "quality", "targets", "machine", "passes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +67,7 @@ class Recipe:
     passes: tuple[Pass, ...] = ()  # in tower order (by layer, then recipe order)
     name: str | None = None
     targets: Targets = field(default_factory=Targets)  # the numbers wanted (pipeline/targets.py)
+    machine: MachinePrice = field(default_factory=MachinePrice)  # what the machine costs (the cost per token in dollars)
 
     def base_plan(self) -> Plan:
         """The baseline: the model as plain transformers would run it."""
@@ -103,6 +105,8 @@ class Recipe:
                 out[key] = values
         if self.targets:
             out["targets"] = self.targets.to_dict()
+        if self.machine.price_per_hour is not None:
+            out["machine"] = {"price_per_hour": self.machine.price_per_hour}
         if grouped or defaults:
             out["passes"] = grouped
         return out
@@ -229,9 +233,12 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
             _check_prompts(source, requests, workload.max_new_tokens, passes, where=f"{where}: workload suite {workload.suite!r}")
             if quality is not None:
                 _check_prompts(source, eval_requests, quality.eval_max_new_tokens, passes, where=f"{where}: quality eval {quality.eval!r}")
+    price = MachinePrice()
+    with found.collect(f"{where}: "):
+        price = MachinePrice.from_data(data.get("machine"))
     found.raise_if_any()
     assert isinstance(model, str) and workload and policy and quality and targets is not None
-    return Recipe(model=model, workload=workload, policy=policy, quality=quality, passes=passes, name=name, targets=targets)
+    return Recipe(model=model, workload=workload, policy=policy, quality=quality, passes=passes, name=name, targets=targets, machine=price)
 
 
 def _non_finite(value: Any, path: str):

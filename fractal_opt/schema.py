@@ -155,6 +155,7 @@ def _passes_schema() -> dict[str, Any]:
 def recipe_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) a recipe file satisfies."""
     from . import models
+    from .machine import MachinePrice
     from .policy import Policy
     from .quality.probes import QualityConfig
     from .recipe import RECIPE_VERSION, TOP_LEVEL
@@ -170,6 +171,7 @@ def recipe_schema() -> dict[str, Any]:
         "policy": _nullable(section_schema(Policy, overrides={"guards": _guards_schema()}, description="how a step is judged")),
         "quality": _nullable(section_schema(QualityConfig, description="quality probes against the baseline")),
         "targets": _targets_schema(),
+        "machine": _nullable(section_schema(MachinePrice, description="what the machine costs: the cost per token in dollars")),
         "passes": _nullable(_passes_schema()),
     }
     return {

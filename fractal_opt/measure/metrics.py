@@ -16,6 +16,9 @@ Definitions (docs/metrics.md has the long form):
   the work; a sampler elsewhere), or CUDA max allocated on a GPU (:mod:`fractal_opt.measure.memory`).
 - ``memory_headroom_mb``: device capacity minus ``peak_memory_mb``.
 - ``cpu_utilization``: process CPU time / wall time / the plan's threads (1.0 = every thread busy).
+- ``cpu_s_per_1k_tokens`` / ``usd_per_m_tokens`` / ``joules_per_token``: the cost per token of a
+  round (:mod:`fractal_opt.measure.cost`): CPU-seconds, the machine's price for the wall time when
+  the recipe states it, energy where counters are readable.
 
 The formulas of a round's machine readings (:func:`round_readings`) live here too, so every way
 of producing a round (the suite, a load profile) reports them alike.
@@ -39,7 +42,7 @@ if TYPE_CHECKING:
     from ..engine.protocol import Generation
     from ..machine import Machine
 
-__all__ = ["METRICS", "PERCENTILE_METRICS", "PER_REPEAT", "Measurement", "Sample", "capacity_mb", "percentile", "round_readings"]
+__all__ = ["COST_METRICS", "METRICS", "PERCENTILE_METRICS", "PER_REPEAT", "Measurement", "Sample", "capacity_mb", "percentile", "round_readings"]
 
 # metric -> True when higher is better. The order is the report's column order.
 METRICS: dict[str, bool] = {
@@ -55,6 +58,9 @@ METRICS: dict[str, bool] = {
     "cpu_utilization": True,
     "prefill_tokens_per_s": True,
     "memory_headroom_mb": True,
+    "cpu_s_per_1k_tokens": False,
+    "usd_per_m_tokens": False,
+    "joules_per_token": False,
     "ttft_ms_p50": False,
     "ttft_ms_p90": False,
     "ttft_ms_p99": False,
@@ -69,7 +75,8 @@ PERCENTILES = (50, 90, 99)
 # Percentiles are computed over the tokens/requests of each round (for paired comparisons) and
 # pooled over all rounds (for the summary).
 PERCENTILE_METRICS = tuple(f"{m}_p{q}" for m in ("ttft_ms", "itl_ms", "e2e_ms") for q in PERCENTILES)
-PER_REPEAT = ("throughput_tokens_per_s", "goodput_tokens_per_s", "peak_memory_mb", "cpu_utilization", "memory_headroom_mb", *PERCENTILE_METRICS)
+COST_METRICS = ("cpu_s_per_1k_tokens", "usd_per_m_tokens", "joules_per_token")  # per round (fractal_opt.measure.cost)
+PER_REPEAT = ("throughput_tokens_per_s", "goodput_tokens_per_s", "peak_memory_mb", "cpu_utilization", "memory_headroom_mb", *COST_METRICS, *PERCENTILE_METRICS)
 
 
 @dataclass(frozen=True)

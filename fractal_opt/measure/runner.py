@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..threads import raise_in
+from .cost import RaplWindow, cost_readings
 from .memory import GpuMonitor, MemoryWindow
 from .metrics import METRICS, PER_REPEAT, Measurement, Sample, capacity_mb, round_readings
 from .rounds import Rounds, rounds_for
@@ -128,6 +129,8 @@ class Runner:
         self.activate_s = 0.0  # seconds engine.activate() took before warm-up and rounds (reloads)
         self.memory_source = "rss"
         self.gpu: dict[str, Any] = {}
+        self.price_per_hour = getattr(engine.machine, "price_per_hour", None)  # the recipe's machine: {price_per_hour}
+        self.energy_source = "not measured"
 
     def warm_up(self) -> None:
         self.activate_s += self.engine.activate()
@@ -142,7 +145,7 @@ class Runner:
         self.engine.reset_response_cache()  # every round starts cold: hits come from repeats within the round
         pids = self.engine.server_pids()  # a child server's memory and CPU time are the engine's too
         cpu0, child0 = os.times(), _cpu_s(pids)
-        with MemoryWindow(self.device, pids=pids) as mem, GpuMonitor(self.device) as gpu:
+        with MemoryWindow(self.device, pids=pids) as mem, GpuMonitor(self.device) as gpu, RaplWindow() as rapl:
             served = in_own_thread(self.source.serve, r)
         cpu1, child1 = os.times(), _cpu_s(pids)
         self.source.check_memory(mem.peak_mb, self.capacity_mb)
@@ -156,6 +159,10 @@ class Runner:
         if g["energy_j"] is not None and served.output_tokens:
             g["energy_j_per_token"] = g["energy_j"] / served.output_tokens
         self.gpu = g
+        energy_j, self.energy_source = (g["energy_j"], "NVML (the GPU board)") if g["energy_j"] is not None else (rapl.energy_j, "RAPL (the CPU packages, other processes included)")
+        if energy_j is None:
+            self.energy_source = g["status"] if g["status"] != "ok" and self.device.startswith("cuda") else rapl.status
+        row.update(cost_readings(output_tokens=served.output_tokens, wall_s=served.wall_s, cpu_s=cpu_s, energy_j=energy_j, price_per_hour=self.price_per_hour))
         self.repeats.append(row)
         self.samples.extend(served.samples)
         self.memory_source = mem.source
@@ -171,6 +178,9 @@ class Runner:
             extra["capacity_mb"] = round(self.capacity_mb, 1)
         if self.activate_s:
             extra["activate_s"] = round(self.activate_s, 2)
+        extra["cost"] = {"energy": self.energy_source,
+                         "price": f"{self.price_per_hour:g} $/hour (the recipe's machine.price_per_hour)" if self.price_per_hour is not None
+                         else "no price: the recipe states none (machine: {price_per_hour: ...})"}
         return Measurement(samples=self.samples, repeats=self.repeats, outputs=self.outputs, texts=self.texts, warmup_s=self.warmup_s,
                            memory_source=self.memory_source, extra=extra)
 

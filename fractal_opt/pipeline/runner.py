@@ -143,7 +143,7 @@ class Pipeline(Resumable):
 
     # ------------------------------------------------------------------ the run
     def run(self) -> Result:
-        machine = self.machine or Machine.probe()
+        machine = self.recipe.machine.on(self.machine or Machine.probe())  # the recipe's machine price, for the cost per token
         self._trace = Trace(recipe=self.recipe.to_dict(), machine=machine.to_dict())
         self._model_probes = {}
         self._requests = self.recipe.workload.requests()
@@ -514,7 +514,7 @@ def _metrics(m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = dict(m.summary())
     out["spread"] = m.spreads()
     out["memory_source"] = m.memory_source
-    out.update({k: v for k, v in m.extra.items() if k in ("gpu", "cuda_max_reserved_mb", "capacity_mb", "load", "activate_s")})  # GPU telemetry: "unavailable" on CPU; load: the profile and per-round request counts
+    out.update({k: v for k, v in m.extra.items() if k in ("gpu", "cuda_max_reserved_mb", "capacity_mb", "load", "activate_s", "cost")})  # GPU telemetry: "unavailable" on CPU; load: the profile and per-round request counts
     out["quality"] = dict(quality)
     return out
 
