@@ -16,19 +16,17 @@ import hashlib
 import importlib.metadata
 import json
 import math
-import mmap
 import os
 import re
 import shutil
-import struct
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ModelSourceError, closest
+from .model_headers import gguf_header, safetensors_header
 
 __all__ = ["EMBEDDED", "ModelSource", "cache_dir", "check_files", "gguf_metadata", "materialize", "positions", "read_config", "resolve", "token_counter"]
 
@@ -153,7 +151,7 @@ def check_files(source: ModelSource, *, complete: bool = True) -> None:
     """
     if source.kind in ("gguf", "embedded"):
         assert source.path is not None
-        gguf_metadata(str(source.path), source.path.stat().st_size, source.path.stat().st_mtime_ns)
+        gguf_metadata(str(source.path))
         return
     if source.kind != "local":
         return
@@ -175,108 +173,18 @@ def check_files(source: ModelSource, *, complete: bool = True) -> None:
 
 
 def _check_safetensors(path: Path) -> None:
-    """A safetensors file starts with an 8-byte header length and that many bytes of JSON."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        ok = len(head) == 8 and 2 <= n <= size - 8
-        if ok:
-            try:
-                ok = isinstance(json.loads(f.read(n).decode("utf-8")), dict)
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                ok = False
-    if not ok:
-        raise ModelSourceError(f"model: weights file {str(path)!r} is not a valid safetensors file (its {size}-byte header is damaged or truncated); re-download it.")
+    """A safetensors file's header must parse (its tensors are not read)."""
+    safetensors_header(path)  # raises ModelSourceError naming the file
 
 
-# GGUF value types (gguf.GGUFValueType) -> struct format; 8 is a string, 9 an array.
-_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_MAGIC = b"GGUF"
-
-
-class _Truncated(Exception):
-    pass
-
-
-@lru_cache(maxsize=8)
-def gguf_metadata(path: str, size: int = 0, mtime_ns: int = 0) -> dict[str, Any]:
-    """The scalar metadata of a GGUF file, plus ``"tokenizer.longest_token_bytes"`` (cached per file version).
-
-    Hand-written rather than ``gguf.GGUFReader`` on purpose: the reader builds every field and
-    tensor record (2.5 s for the embedded 135M model on this CPU), where recipe validation needs
-    three numbers and a verdict on the header in milliseconds. The format is the one
-    ``gguf.constants`` describes (magic, version, counts, key/type/value records).
+def gguf_metadata(path: str) -> dict[str, Any]:
+    """The scalar and string metadata of a GGUF file, plus ``"tokenizer.longest_token_bytes"``
+    (read by :func:`fractal_opt.model_headers.gguf_header`, cached per file version).
 
     Raises:
         ModelSourceError: not a GGUF file (magic), an unknown version, a truncated or damaged header.
     """
-    where = f"model: {path!r}"
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse_gguf(buf, where)
-    except ValueError:  # mmap of an empty file
-        raise ModelSourceError(f"{where} is empty; a GGUF file starts with the bytes b'GGUF'.") from None
-    except OSError as e:
-        raise ModelSourceError(f"{where} cannot be read: {e.strerror or e}.") from None
-
-
-def _parse_gguf(buf: Any, where: str) -> dict[str, Any]:
-    if buf[:4] != _GGUF_MAGIC:
-        raise ModelSourceError(f"{where} is not a GGUF file: it starts with {bytes(buf[:4])!r}, a GGUF file with b'GGUF'.")
-    pos = 4
-
-    def take(fmt: str) -> Any:
-        nonlocal pos
-        n = struct.calcsize(fmt)
-        if pos + n > len(buf):
-            raise _Truncated
-        (value,) = struct.unpack_from(fmt, buf, pos)
-        pos += n
-        return value
-
-    def string() -> bytes:
-        nonlocal pos
-        n = take("<Q")
-        if pos + n > len(buf):
-            raise _Truncated
-        pos += n
-        return bytes(buf[pos - n : pos])
-
-    out: dict[str, Any] = {}
-    try:
-        version = take("<I")
-        if version not in (2, 3):
-            raise ModelSourceError(f"{where}: GGUF version {version} is not one this reader knows (2 or 3); convert it with a current llama.cpp.")
-        tensors, kvs = take("<Q"), take("<Q")
-        if tensors == 0 or tensors > 1_000_000 or kvs > 100_000:
-            raise ModelSourceError(f"{where}: its GGUF header counts {tensors} tensors and {kvs} metadata keys; the file is damaged (or holds no weights).")
-        for _ in range(kvs):
-            key = string().decode("utf-8", "replace")
-            kind = take("<I")
-            if kind in _GGUF_SCALAR:
-                out[key] = take(_GGUF_SCALAR[kind])
-            elif kind == 8:
-                out[key] = string().decode("utf-8", "replace")
-            elif kind == 9:
-                item, count = take("<I"), take("<Q")
-                if item == 8:
-                    longest = 0
-                    for _ in range(count):
-                        longest = max(longest, len(string()))
-                    if key == "tokenizer.ggml.tokens":
-                        out["tokenizer.longest_token_bytes"] = longest
-                elif item in _GGUF_SCALAR:
-                    pos += struct.calcsize(_GGUF_SCALAR[item]) * count
-                    if pos > len(buf):
-                        raise _Truncated
-                else:
-                    raise ModelSourceError(f"{where}: metadata key {key!r} has an array of unknown type {item}; the file is damaged.")
-            else:
-                raise ModelSourceError(f"{where}: metadata key {key!r} has unknown value type {kind}; the file is damaged.")
-    except _Truncated:
-        raise ModelSourceError(f"{where}: the file ends inside its GGUF header ({len(buf)} bytes); it is truncated, re-download it.") from None
-    return out
+    return gguf_header(path).metadata
 
 
 def positions(source: ModelSource) -> int | None:
@@ -297,8 +205,7 @@ def positions(source: ModelSource) -> int | None:
 
 
 def _meta(path: Path) -> dict[str, Any]:
-    stat = path.stat()
-    return gguf_metadata(str(path), stat.st_size, stat.st_mtime_ns)
+    return gguf_metadata(str(path))
 
 
 def token_counter(source: ModelSource) -> tuple[Callable[[str], int], bool] | None:

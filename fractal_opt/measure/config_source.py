@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelSourceError
+from ..model_headers import gguf_header
 
 __all__ = ["load_config"]
 
@@ -56,44 +57,23 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-_GGUF_CONFIGS: dict[tuple[str, int], dict[str, Any]] = {}  # (path, mtime_ns) -> config: parsing a header takes seconds
-
-
 def _gguf_config(path: Path) -> dict[str, Any]:
-    """A transformers-style config from GGUF metadata (no tensor data is read; cached per file)."""
-    key = (str(path), path.stat().st_mtime_ns)
-    if key not in _GGUF_CONFIGS:
-        _GGUF_CONFIGS[key] = _read_gguf_config(path)
-    return dict(_GGUF_CONFIGS[key])
-
-
-def _read_gguf_config(path: Path) -> dict[str, Any]:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-
-    def get(key: str) -> Any:
-        field = reader.fields.get(key)
-        if field is None or not field.data:
-            return None
-        value = field.parts[field.data[0]]
-        if field.types and field.types[0].name == "STRING":
-            return bytes(value).decode("utf-8")
-        return value.tolist()[0] if hasattr(value, "tolist") else value
-
-    arch = get("general.architecture") or "llama"
-    vocab = get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    """A transformers-style config from GGUF metadata (the header only: no tensor data is read)."""
+    header = gguf_header(path)  # cached per file version
+    meta = header.metadata
+    arch = meta.get("general.architecture") or "llama"
+    vocab = meta.get(f"{arch}.vocab_size") or header.array_lengths.get("tokenizer.ggml.tokens")
     config = {
         "model_type": arch,
-        "num_hidden_layers": get(f"{arch}.block_count"),
-        "hidden_size": get(f"{arch}.embedding_length"),
-        "intermediate_size": get(f"{arch}.feed_forward_length"),
-        "num_attention_heads": get(f"{arch}.attention.head_count"),
-        "num_key_value_heads": get(f"{arch}.attention.head_count_kv"),
-        "head_dim": get(f"{arch}.attention.key_length") or get(f"{arch}.rope.dimension_count"),
+        "num_hidden_layers": meta.get(f"{arch}.block_count"),
+        "hidden_size": meta.get(f"{arch}.embedding_length"),
+        "intermediate_size": meta.get(f"{arch}.feed_forward_length"),
+        "num_attention_heads": meta.get(f"{arch}.attention.head_count"),
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv"),
+        "head_dim": meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count"),
         "vocab_size": vocab,
         # GGUF stores no separate output matrix when the head is tied to the token embedding.
-        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in header.tensors),
     }
     return {k: v for k, v in config.items() if v is not None}  # a key the header lacks takes the architecture's default
 

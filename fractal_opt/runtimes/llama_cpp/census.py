@@ -1,4 +1,4 @@
-"""What a GGUF file holds, read from its header with the ``gguf`` package (no model load).
+"""What a GGUF file holds, read from its header (fractal_opt.model_headers: no model load).
 
 The pipeline reads ``weight_bytes`` (memory guard, roofline) and ``quantized_linear_layers`` (did
 quantization apply); the KV keys mirror the transformers runtime's ``kv_census`` so reports compare
@@ -7,9 +7,9 @@ both runtimes with the same names.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
+from ...model_headers import gguf_header
 from .settings import KV_BYTES_PER_VALUE, ServerSettings, describe
 
 __all__ = ["eos_token_id", "gguf_census"]
@@ -18,27 +18,20 @@ __all__ = ["eos_token_id", "gguf_census"]
 _FULL_PRECISION = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
 
 
-@lru_cache(maxsize=4)
 def _read(path: str) -> dict[str, Any]:
-    """Tensor bytes by type and the attention shape from the GGUF metadata (cached by path)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
+    """Tensor bytes by type and the attention shape from the GGUF header (cached per file version)."""
+    header = gguf_header(path)
     by_type: dict[str, int] = {}
     linear = quantized = 0
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        by_type[kind] = by_type.get(kind, 0) + int(t.n_bytes)
+    for t in header.tensors:
+        kind = t.type_name
+        by_type[kind] = by_type.get(kind, 0) + t.n_bytes
         # 2-D weights of the blocks and the output head are the "linear layers"; the token
         # embedding is a lookup table, counted in bytes but not as a linear layer.
         if len(t.shape) == 2 and t.name.endswith(".weight") and not t.name.startswith("token_embd"):
             linear += 1
             quantized += kind not in _FULL_PRECISION
-
-    def field(key: str) -> Any:
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
-
+    field = header.metadata.get
     arch = field("general.architecture") or "llama"
     heads = int(field(f"{arch}.attention.head_count") or 1)
     return {

@@ -17,9 +17,7 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import Any
 from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
 from ...errors import EngineError
 from ...machine import Machine, resolve_device
+from ...model_headers import safetensors_header
 from ...models import materialize, resolve
 from ...plan import Plan
 from ...workload import Request
@@ -242,10 +241,7 @@ def _safetensors_params(folder: Path) -> tuple[int, int]:
     files' JSON headers only (8-byte length + header: no tensor is loaded)."""
     params = linear = 0
     for path in sorted(folder.glob("*.safetensors")):
-        with path.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        for name, info in header.items():
+        for name, info in safetensors_header(path).items():
             if name == "__metadata__":
                 continue
             params += math.prod(info["shape"])
