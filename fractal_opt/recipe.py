@@ -233,6 +233,9 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
             _check_prompts(source, requests, workload.max_new_tokens, passes, where=f"{where}: workload suite {workload.suite!r}")
             if quality is not None:
                 _check_prompts(source, eval_requests, quality.eval_max_new_tokens, passes, where=f"{where}: quality eval {quality.eval!r}")
+    if workload is not None and policy is not None and targets is not None:
+        with found.collect(f"{where}: "):
+            workload.check_wanted({policy.objective, *policy.guards, *targets.to_dict()})
     price = MachinePrice()
     with found.collect(f"{where}: "):
         price = MachinePrice.from_data(data.get("machine"))

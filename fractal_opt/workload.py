@@ -163,6 +163,15 @@ class Workload:
         return requests[: self.limit] if self.limit else requests
 
 
+    def check_wanted(self, metrics: set[str]) -> None:
+        """Refuse a recipe that judges on a number this workload never measures: ``capacity`` (as
+        objective, guard or target) needs a load profile with ``capacity: true``."""
+        profile = self.load_profile()
+        if "capacity" in metrics and (profile is None or not profile.capacity):
+            msg = ("the recipe judges on 'capacity', which only a load profile with capacity: true measures "
+                   "(workload: {load: {mode: conversations, capacity: true, slo_ttft_ms: ...}}); add it, or judge on another metric.")
+            raise RecipeError(msg)
+
     def conversations(self, data: Any = None) -> list[Conversation]:
         """The suite read as conversations (every turn), validated against the load profile:
         ``history: reference`` needs a reference answer for every turn but the last one replayed."""

@@ -50,7 +50,7 @@ def turn_id(conversation: str, user: int, turn: int) -> str:
 
 
 def run_conversations(server: Server, conversations: Sequence[Conversation], profile: LoadProfile, *, max_new_tokens: int,
-                      users: int | None = None, session: int | None = None) -> LoadResult:
+                      users: int | None = None, session: int | str | None = None) -> LoadResult:
     """Replay ``users`` (default: the profile's) conversations through ``server``; one record per turn sent."""
     if not conversations:
         raise EngineError("a conversations load needs at least one conversation in the workload suite")
@@ -68,7 +68,7 @@ def run_conversations(server: Server, conversations: Sequence[Conversation], pro
     return LoadResult(records=flat, wall_s=end - t0, slos=profile.slos())
 
 
-def _user(server: Server, conv: Conversation, user: int, profile: LoadProfile, max_new_tokens: int, session: int | None, out: list[LoadRecord]) -> None:
+def _user(server: Server, conv: Conversation, user: int, profile: LoadProfile, max_new_tokens: int, session: int | str | None, out: list[LoadRecord]) -> None:
     """One user's conversation, turn after turn, each record appended to ``out``."""
     rng = random.Random(profile.seed * 10_007 + user)  # think times differ per user, repeat per seed
     turns = conv.turns[: profile.turns] if profile.turns else conv.turns

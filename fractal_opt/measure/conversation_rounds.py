@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..engine.protocol import Engine
     from ..workload import Request, Workload
 
-__all__ = ["ConversationRounds", "load_readings"]
+__all__ = ["ConversationRounds", "as_generation", "load_readings"]
 
 _WARMUP_TOKENS = 8  # the warm-up's budget per turn (every prompt shape through the kernels, briefly)
 
@@ -63,7 +63,7 @@ class ConversationRounds:
         self.rounds.append(counts)
         self.records.extend(result.records)
         done = [rec for rec in result.records if rec.status == "done"]
-        samples = [dataclasses.replace(Sample.from_generation(_generation(rec), repeat=repeat), ttft_ms=rec.ttft_ms) for rec in done]
+        samples = [dataclasses.replace(Sample.from_generation(as_generation(rec), repeat=repeat), ttft_ms=rec.ttft_ms) for rec in done]
         return Round(samples=samples, wall_s=result.wall_s, output_tokens=result.output_tokens(),
                      outputs={rec.id: list(rec.token_ids) for rec in done}, texts={rec.id: rec.text for rec in done}, readings=readings)
 
@@ -90,7 +90,8 @@ def load_readings(result: LoadResult) -> tuple[dict[str, Any], dict[str, Any]]:
     return readings, counts
 
 
-def _generation(rec: LoadRecord) -> Any:
+def as_generation(rec: LoadRecord) -> Any:
+    """A load record as the Generation a Sample is made from (TTFT replaced by the caller's own)."""
     from ..engine.protocol import Generation
 
     return Generation(request_id=rec.id, text=rec.text, token_ids=rec.token_ids, prompt_tokens=rec.prompt_tokens, t_submit=rec.t_submit,

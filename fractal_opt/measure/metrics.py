@@ -16,6 +16,8 @@ Definitions (docs/metrics.md has the long form):
   the work; a sampler elsewhere), or CUDA max allocated on a GPU (:mod:`fractal_opt.measure.memory`).
 - ``memory_headroom_mb``: device capacity minus ``peak_memory_mb``.
 - ``cpu_utilization``: process CPU time / wall time / the plan's threads (1.0 = every thread busy).
+- ``capacity``: the highest offered load meeting the load profile's SLOs (``load: {capacity: true}``,
+  :mod:`fractal_opt.measure.capacity`), per round.
 - ``cpu_s_per_1k_tokens`` / ``usd_per_m_tokens`` / ``joules_per_token``: the cost per token of a
   round (:mod:`fractal_opt.measure.cost`): CPU-seconds, the machine's price for the wall time when
   the recipe states it, energy where counters are readable.
@@ -61,6 +63,7 @@ METRICS: dict[str, bool] = {
     "cpu_s_per_1k_tokens": False,
     "usd_per_m_tokens": False,
     "joules_per_token": False,
+    "capacity": True,
     "ttft_ms_p50": False,
     "ttft_ms_p90": False,
     "ttft_ms_p99": False,
@@ -76,7 +79,7 @@ PERCENTILES = (50, 90, 99)
 # pooled over all rounds (for the summary).
 PERCENTILE_METRICS = tuple(f"{m}_p{q}" for m in ("ttft_ms", "itl_ms", "e2e_ms") for q in PERCENTILES)
 COST_METRICS = ("cpu_s_per_1k_tokens", "usd_per_m_tokens", "joules_per_token")  # per round (fractal_opt.measure.cost)
-PER_REPEAT = ("throughput_tokens_per_s", "goodput_tokens_per_s", "peak_memory_mb", "cpu_utilization", "memory_headroom_mb", *COST_METRICS, *PERCENTILE_METRICS)
+PER_REPEAT = ("throughput_tokens_per_s", "goodput_tokens_per_s", "capacity", "peak_memory_mb", "cpu_utilization", "memory_headroom_mb", *COST_METRICS, *PERCENTILE_METRICS)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ its memory, GPU and CPU windows and computes the shared per-repeat readings
   saw them.
 - :class:`~fractal_opt.measure.conversation_rounds.ConversationRounds`: the ``conversations`` load,
   users replaying the suite's conversations turn by turn, with the per-turn table.
+- :class:`~fractal_opt.measure.capacity_rounds.CapacityRounds` (``load: {capacity: true}``): each
+  round searches the plan's capacity under the profile's SLOs.
 """
 
 from __future__ import annotations
@@ -160,6 +162,10 @@ def rounds_for(engine: Engine, workload: Workload, requests: Sequence[Request]) 
     """The source a workload asks for: its ``load`` profile through a server (conversations
     replayed turn by turn, or single requests), else the suite."""
     if getattr(workload, "load", None):
+        if workload.load_profile().capacity:
+            from .capacity_rounds import CapacityRounds
+
+            return CapacityRounds(engine, workload, requests)
         if workload.load_profile().mode == "conversations":
             from .conversation_rounds import ConversationRounds
 
