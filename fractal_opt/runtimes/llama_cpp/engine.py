@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import gc
 import os
-import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
@@ -48,6 +46,7 @@ from ...serving.sampling import Decoding
 from ...workload import Request
 from . import logprobs
 from .census import eos_token_id, gguf_census
+from .completion import Answer, OnTokens, complete_chat, sampling_fields, stream_text
 from .process import LlamaServerProcess
 from .requantize import model_file
 from .settings import ServerSettings, common_params, refusals, request_body, server_settings
@@ -63,24 +62,6 @@ def _physical_cores() -> int:
     import psutil
 
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
-# A token-callback returns True to stop the request (llama.cpp then frees the slot).
-OnTokens = Callable[[list[int], list[float], str], bool]
-
-
-@dataclass
-class Answer:
-    """What one llama.cpp request produced, with a clock reading per token."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    finish_reason: str | None = None  # "length" (budget), "stop" (end of sequence / stop string)
-    timings: dict[str, Any] = field(default_factory=dict)  # llama.cpp's own (prompt_ms, cache_n, ...)
-    t_start: float = 0.0  # when the request went to llama.cpp (prefill starts, a slot being free)
-    t_done: float = 0.0
 
 
 class LlamaCppEngine(Engine):
@@ -210,33 +191,7 @@ class LlamaCppEngine(Engine):
     def stream(self, prompt: str | Sequence[dict[str, str]], *, max_new_tokens: int | None = None) -> Iterator[str]:
         """Yield the answer's text piece by piece as llama.cpp streams it."""
         request = as_request(prompt)
-        pieces: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        errors: list[BaseException] = []
-        stop = threading.Event()  # the caller stopped iterating: stop the request too
-
-        def on_tokens(ids: list[int], times: list[float], text: str) -> bool:
-            if text:
-                pieces.put(text)
-            return stop.is_set()
-
-        def work() -> None:
-            try:
-                self.complete(request, budget=self.budget(max_new_tokens), seed=0, on_tokens=on_tokens)
-            except BaseException as e:  # noqa: BLE001 (surfaced to the caller below)
-                errors.append(e)
-            finally:
-                pieces.put(None)
-
-        thread = threading.Thread(target=work, name="fractal-opt-llama-stream", daemon=True)
-        thread.start()
-        try:
-            while (piece := pieces.get()) is not None:
-                yield piece
-        finally:
-            stop.set()
-            thread.join()
-        if errors:
-            raise errors[0]
+        return stream_text(lambda on_tokens: self.complete(request, budget=self.budget(max_new_tokens), seed=0, on_tokens=on_tokens))
 
     def server(self, *, seed: int = 0, ignore_eos: bool = False) -> Any:
         """A request server on llama.cpp's continuous batching (queue, timeouts, cancel, streaming)."""
@@ -266,66 +221,13 @@ class LlamaCppEngine(Engine):
             raise EngineError("the engine is closed: build a new one with LlamaCppEngine.build(plan)")
         body = request_body(self.plan, request.as_messages(), budget=budget, seed=seed, ignore_eos=ignore_eos)
         if decoding is not None:
-            body.update(_sampling_fields(decoding, seed))
+            body.update(sampling_fields(decoding, seed))
         if stop:
             body["stop"] = [*body.get("stop", ()), *stop]
-        answer = Answer(t_start=time.perf_counter())
-        pieces: list[str] = []
-        error: list[dict[str, Any]] = []
-        t_finish = [0.0]  # when the chunk carrying finish_reason arrived
-
-        def callback(chunk: dict[str, Any]) -> bool:
-            now = time.perf_counter()
-            if "error" in chunk:
-                error.append(chunk["error"])
-                return True
-            if "usage" in chunk:
-                answer.prompt_tokens = int(chunk["usage"].get("prompt_tokens", 0))
-            if "timings" in chunk:
-                answer.timings = chunk["timings"]
-                if not stop and self._ended_on_eos(answer):
-                    # llama.cpp decodes the end-of-sequence token but does not stream it; the
-                    # transformers runtime counts it as generated work, so it is counted here too,
-                    # at the moment llama.cpp reported the end.
-                    answer.token_ids.append(self.eos_id)  # type: ignore[arg-type]
-                    answer.token_times.append(t_finish[0])
-                    if on_tokens is not None:
-                        on_tokens([self.eos_id], [t_finish[0]], "")  # type: ignore[list-item]
-            if not chunk.get("choices"):
-                return False
-            choice = chunk["choices"][0]
-            if choice.get("finish_reason"):
-                answer.finish_reason, t_finish[0] = choice["finish_reason"], now
-            text = (choice.get("delta") or {}).get("content") or ""
-            ids = [int(t["id"]) for t in ((choice.get("logprobs") or {}).get("content") or [])]
-            if not ids and not text:
-                return False
-            pieces.append(text)
-            answer.token_ids.extend(ids)
-            answer.token_times.extend([now] * len(ids))
-            return bool(on_tokens(ids, [now] * len(ids), text)) if on_tokens is not None else False
-
-        result = self.model.handle_chat_completions(body, callback)
-        answer.t_done = time.perf_counter()
-        if isinstance(result, dict) and "error" in result:
-            error.append(result["error"])
-        if error:
-            e = error[0]
-            msg = f"llama.cpp refused request {request.id!r}: {e.get('message', e)}"
-            if e.get("type") == "exceed_context_size_error":
-                raise RequestRejected(f"{msg} (context per request: {self.settings.context_per_request} tokens; raise the context_cap pass's tokens or lower max_new_tokens)")
-            raise EngineError(msg)
-        answer.text = "".join(pieces)
-        return answer
-
-    def _ended_on_eos(self, answer: Answer) -> bool:
-        """True when the one token llama.cpp decoded beyond those it streamed is end-of-sequence.
-
-        Only without stop strings: a stop string's tokens are decoded but held back too, so the
-        count would not tell them apart.
-        """
-        extra = int(answer.timings.get("predicted_n", 0)) - len(answer.token_ids)
-        return answer.finish_reason == "stop" and extra == 1 and self.eos_id is not None and not self.plan.application.stop
+        # The end-of-sequence token is counted only without stop strings: a stop string's tokens
+        # are decoded but held back too, so llama.cpp's count would not tell them apart.
+        eos = None if stop or self.plan.application.stop else self.eos_id
+        return complete_chat(self.model, body, request_id=request.id, eos_id=eos, on_tokens=on_tokens, context_per_request=self.settings.context_per_request)
 
     def _generation(self, request: Request, answer: Answer, t_submit: float) -> Generation:
         return Generation(
@@ -479,11 +381,3 @@ def clear_cache() -> None:
     with _SERVERS_LOCK:
         _SERVERS.clear()
 
-
-def _sampling_fields(decoding: Decoding, seed: int) -> dict[str, Any]:
-    """llama.cpp's sampling fields for one request's decoding, every one sent (llama.cpp's own
-    defaults differ from transformers', as :func:`.settings.request_body` notes)."""
-    if not decoding.do_sample:
-        return {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}  # greedy: the argmax token
-    return {"temperature": decoding.temperature, "top_p": decoding.top_p, "top_k": decoding.top_k or 0, "min_p": decoding.min_p or 0.0,
-            "seed": seed if decoding.seed is None else decoding.seed}
