@@ -89,78 +89,98 @@ def bisect(recipe: Recipe, *, metric: str | None = None, build: Build | None = N
            progress: Callable[[str], None] | None = None) -> BisectResult:
     """Find the kept pass(es) of ``recipe`` (a tuned recipe: its passes are the kept ones) that make
     ``metric`` worse than the baseline on the recipe's workload."""
-    from ..measure.metrics import METRICS
-
     say = progress or (lambda m: None)
-    metric = metric or (recipe.policy.objective if recipe.policy.objective != "auto" else "decode_tokens_per_s")
-    if metric not in METRICS:
-        from ..errors import closest
-
-        raise RecipeError(f"bisect: unknown metric {metric!r}. Valid metrics are: {list(METRICS)}.{closest(metric, METRICS)}")
+    metric = _metric(recipe, metric)
     kept = list(recipe.passes)
     labels = {p: _label(p) for p in kept}
     result = BisectResult(metric=metric, kept=[labels[p] for p in kept], full=None)
     if not kept:
         result.note = "The run kept no pass: its plan is the baseline, there is nothing to roll back."
         return result
-    machine = machine or Machine.probe()
-    base = recipe.base_plan()
-    engines = Engines(build=build, machine=machine, workload=recipe.workload, progress=say)
-    min_effect = recipe.policy.min_effect
-    cache: dict[tuple[str, ...], Probe] = {}
+    engines = Engines(build=build, machine=machine or Machine.probe(), workload=recipe.workload, progress=say)
+    search = _Search(recipe, kept=kept, labels=labels, engines=engines, result=result, say=say)
+    try:
+        _conclude(search)
+    finally:
+        engines.close()
+    return result
 
-    def bad(subset: Sequence[Pass]) -> bool:
-        ordered = [p for p in kept if p in subset]  # tower order, as the run applied them
-        key = tuple(labels[p] for p in ordered)
-        if key not in cache:
-            plan = _plan(base, ordered)
-            back = tuple(labels[p] for p in kept if p not in subset)
-            say(f"bisect: measuring {'the tuned plan' if not back else 'with ' + ', '.join(back) + ' rolled back'} against the baseline")
-            pair = measure_plans(engines.get(base), engines.get(plan), recipe.workload, metric=metric, min_effect=min_effect,
-                                 progress=lambda m: say(f"bisect:   {m}"))
-            if plan != base:
-                engines.release(plan)
+
+def _metric(recipe: Recipe, metric: str | None) -> str:
+    """The metric to bisect on: the one asked for, else the recipe's objective (decode speed for "auto")."""
+    from ..measure.metrics import METRICS
+
+    metric = metric or (recipe.policy.objective if recipe.policy.objective != "auto" else "decode_tokens_per_s")
+    if metric not in METRICS:
+        from ..errors import closest
+
+        raise RecipeError(f"bisect: unknown metric {metric!r}. Valid metrics are: {list(METRICS)}.{closest(metric, METRICS)}")
+    return metric
+
+
+class _Search:
+    """The halving search over one tuned recipe's kept passes; each subset is measured against the
+    baseline at most once (the probes land in ``result.probes`` in the order they were measured)."""
+
+    def __init__(self, recipe: Recipe, *, kept: list[Pass], labels: dict[Pass, str], engines: Engines, result: BisectResult,
+                 say: Callable[[str], None]):
+        self.recipe, self.kept, self.labels, self.engines, self.result, self.say = recipe, kept, labels, engines, result, say
+        self.base = recipe.base_plan()
+        self.cache: dict[tuple[str, ...], Probe] = {}
+
+    def bad(self, subset: Sequence[Pass]) -> bool:
+        """True when the baseline plus ``subset`` (in tower order) is worse than the baseline beyond noise."""
+        ordered = [p for p in self.kept if p in subset]  # tower order, as the run applied them
+        key = tuple(self.labels[p] for p in ordered)
+        if key not in self.cache:
+            plan = _plan(self.base, ordered)
+            back = tuple(self.labels[p] for p in self.kept if p not in subset)
+            self.say(f"bisect: measuring {'the tuned plan' if not back else 'with ' + ', '.join(back) + ' rolled back'} against the baseline")
+            pair = measure_plans(self.engines.get(self.base), self.engines.get(plan), self.recipe.workload, metric=self.result.metric,
+                                 min_effect=self.recipe.policy.min_effect, progress=lambda m: self.say(f"bisect:   {m}"))
+            if plan != self.base:
+                self.engines.release(plan)
             probe = Probe(applied=key, rolled_back=back, result=replace(pair, before_measurement=None, after_measurement=None))
-            cache[key] = probe
-            result.probes.append(probe)
-        return cache[key].bad
+            self.cache[key] = probe
+            self.result.probes.append(probe)
+        return self.cache[key].bad
 
-    def find(candidates: list[Pass], fixed: list[Pass]) -> tuple[list[Pass], bool]:
+    def find(self, candidates: list[Pass], fixed: list[Pass]) -> tuple[list[Pass], bool]:
         """Culprits among ``candidates`` given bad(fixed + candidates); True when a pair was found."""
         if len(candidates) == 1:
             return candidates, False
         half = len(candidates) // 2
         first, second = candidates[:half], candidates[half:]
-        without_first = bad(fixed + second)
-        without_second = bad(fixed + first)
+        without_first = self.bad(fixed + second)
+        without_second = self.bad(fixed + first)
         if not without_first and without_second:
-            return find(first, fixed)[0], False
+            return self.find(first, fixed)[0], False
         if without_first and not without_second:
-            return find(second, fixed)[0], False
+            return self.find(second, fixed)[0], False
         if not without_first and not without_second:  # either half rolled back fixes it: one pass in each hurts with the other
-            a, _ = find(first, fixed + second)
-            b, _ = find(second, fixed + first)
+            a, _ = self.find(first, fixed + second)
+            b, _ = self.find(second, fixed + first)
             return a + b, True
-        a, _ = find(first, fixed)
-        b, _ = find(second, fixed)
+        a, _ = self.find(first, fixed)
+        b, _ = self.find(second, fixed)
         return a + b, False
 
-    try:
-        if not bad(kept):
-            result.full = result.probes[-1]
-            result.note = (f"The tuned plan is not worse than the baseline on {metric} here ({result.full.result.text()}): "
-                           "nothing to bisect. Try another --metric or --workload.")
-            return result
-        result.full = result.probes[-1]
-        culprits, pair = find(kept, [])
-        result.culprits = [labels[p] for p in culprits]
-        if pair:
-            result.note = "pair: either rolled back fixes it; each alone was kept because it helped on the run's workload."
-        elif len(culprits) == 1:
-            result.note = f"Rolling it back is the fix: run the tuned recipe without {result.culprits[0]}, or re-run fractal-opt on this workload."
-    finally:
-        engines.close()
-    return result
+
+def _conclude(search: _Search) -> None:
+    """Measure the tuned plan; when it is worse, bisect and write the culprits and the note into the result."""
+    result, metric = search.result, search.result.metric
+    bad = search.bad(search.kept)
+    result.full = result.probes[-1]
+    if not bad:
+        result.note = (f"The tuned plan is not worse than the baseline on {metric} here ({result.full.result.text()}): "
+                       "nothing to bisect. Try another --metric or --workload.")
+        return
+    culprits, pair = search.find(search.kept, [])
+    result.culprits = [search.labels[p] for p in culprits]
+    if pair:
+        result.note = "pair: either rolled back fixes it; each alone was kept because it helped on the run's workload."
+    elif len(culprits) == 1:
+        result.note = f"Rolling it back is the fix: run the tuned recipe without {result.culprits[0]}, or re-run fractal-opt on this workload."
 
 
 def load_run(run_dir: str | Path) -> Recipe:
