@@ -76,27 +76,11 @@ def choose_skips(
     Raises:
         EngineError: when even the least sensitive block alone exceeds ``max_kl`` (nothing can be quantized).
     """
-    import torch
-
     container_name, blocks = _blocks(model)
     ids = calibration_ids(tokenizer)
     base = _logprobs(model, ids)
     originals = list(blocks)
-    quantized: dict[int, Any] = {}
-    block_kl: dict[int, float] = {}
-    for i, block in enumerate(originals):
-        prefix = f"{container_name}.{i}"
-        linear = [f"{prefix}.{n}" for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
-        if not linear or all(skipped(n, skip, n_blocks=n_blocks) for n in linear):
-            continue  # the user keeps this block already: not a candidate
-        q = copy.deepcopy(block)
-        quantize(q, prefix)
-        blocks[i] = q
-        try:
-            block_kl[i] = round(_kl(base, _logprobs(model, ids)), 6)
-        finally:
-            blocks[i] = block
-        quantized[i] = q
+    quantized, block_kl = _each_block_alone(model, container_name, blocks, ids, base, quantize=quantize, skip=skip, n_blocks=n_blocks)
     order = sorted(block_kl, key=lambda i: -block_kl[i])  # most sensitive first
     measured: dict[int, float] = {}
 
@@ -113,20 +97,7 @@ def choose_skips(
                     blocks[i] = originals[i]
         return measured[k]
 
-    # Smallest k with KL <= max_kl, by bisection: keeping more of the most sensitive blocks lowers
-    # the KL (monotone in practice), so log2(blocks) forwards instead of one per block kept.
-    # k = len(order) keeps everything (KL 0) and needs no forward.
-    low, high = 0, len(order)
-    if order and kl_keeping(0) > max_kl:
-        low = 1
-        while low < high:
-            mid = (low + high) // 2
-            if kl_keeping(mid) <= max_kl:
-                high = mid
-            else:
-                low = mid + 1
-    else:
-        high = 0
+    high = _fewest_kept(kl_keeping, len(order), max_kl)
     kept = order[:high]
     kl = kl_keeping(high) if high < len(order) else 0.0
     if order and len(kept) == len(order):
@@ -137,3 +108,44 @@ def choose_skips(
         )
         raise EngineError(msg)
     return {"calibration_tokens": int(ids.numel()), "max_kl": max_kl, "block_kl": block_kl, "kept_blocks": sorted(kept), "kl": round(kl, 6)}
+
+
+def _each_block_alone(model: Any, container_name: str, blocks: Any, ids: Any, base: Any, *, quantize: Callable[[Any, str], None],
+                      skip: tuple[str, ...], n_blocks: int) -> tuple[dict[int, Any], dict[int, float]]:
+    """Each candidate block quantized alone (a copy swapped in, then the original back): the
+    quantized copies and the KL each gives, by block index. A block whose every Linear the user
+    already skips is not a candidate."""
+    import torch
+
+    quantized: dict[int, Any] = {}
+    block_kl: dict[int, float] = {}
+    for i, block in enumerate(list(blocks)):
+        prefix = f"{container_name}.{i}"
+        linear = [f"{prefix}.{n}" for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
+        if not linear or all(skipped(n, skip, n_blocks=n_blocks) for n in linear):
+            continue  # the user keeps this block already: not a candidate
+        q = copy.deepcopy(block)
+        quantize(q, prefix)
+        blocks[i] = q
+        try:
+            block_kl[i] = round(_kl(base, _logprobs(model, ids)), 6)
+        finally:
+            blocks[i] = block
+        quantized[i] = q
+    return quantized, block_kl
+
+
+def _fewest_kept(kl_keeping: Callable[[int], float], candidates: int, max_kl: float) -> int:
+    """The smallest k with ``kl_keeping(k) <= max_kl``, by bisection: keeping more of the most
+    sensitive blocks lowers the KL (monotone in practice), so log2(blocks) forwards instead of one
+    per block kept. k = ``candidates`` keeps everything (KL 0) and needs no forward."""
+    if not candidates or kl_keeping(0) <= max_kl:
+        return 0
+    low, high = 1, candidates
+    while low < high:
+        mid = (low + high) // 2
+        if kl_keeping(mid) <= max_kl:
+            high = mid
+        else:
+            low = mid + 1
+    return high
