@@ -117,10 +117,11 @@ def _guards_schema() -> dict[str, Any]:
     from .policy import ALL_METRICS
 
     limit = {"type": "number"}
-    guard = {"type": "object", "properties": {k: limit for k in ("min", "max", "max_regression", "max_drop")}, "additionalProperties": False, "minProperties": 1}
+    guard = {"type": "object", "properties": {**{k: limit for k in ("min", "max", "max_regression", "max_drop")}, "accept_unknown": {"type": "boolean"}},
+             "additionalProperties": False, "minProperties": 1}
     return {
         "type": "object",
-        "description": "metric -> {min|max|max_regression|max_drop: number}; null removes a default guard; 'probe.name' guards a custom probe's number",
+        "description": "metric -> {min|max|max_regression|max_drop: number, accept_unknown: bool}; null removes a default guard; 'probe.name' guards a custom probe's number",
         "propertyNames": {"anyOf": [{"enum": sorted(ALL_METRICS)}, {"pattern": r"^[A-Za-z_]\w*\.\w+$"}]},
         "additionalProperties": {"anyOf": [guard, {"type": "null"}]},
     }
