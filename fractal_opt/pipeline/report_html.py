@@ -96,6 +96,9 @@ def render_fragment(trace: Trace, *, styles: bool = True) -> str:
     parts += _roofline(trace, steps)
     parts += _latency(steps)
     parts += _quality(steps, policy)
+    from .report_frontier import frontier_html  # every measured plan on the frontiers, and the cost per token
+
+    parts += frontier_html(steps)
     parts.append(answers_html(trace))  # the baseline's and the final plan's answers side by side
     parts += _steps_table(steps, policy)
     parts += _calibration(trace, policy)
