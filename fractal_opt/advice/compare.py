@@ -42,6 +42,7 @@ class Side:
     plan: Plan
     metrics: dict[str, Any] = field(default_factory=dict)
     machine: str = ""
+    measured: list[tuple[str, Any]] = field(default_factory=list)  # a run's steps (data-step id, Step), for the frontier across runs
 
 
 @dataclass
@@ -51,6 +52,12 @@ class Comparison:
     diff: list[tuple[str, Any, Any]]
     targets: dict[str, dict[str, dict[str, Any]]]  # side -> metric -> gap
     measured: list[PairResult] = field(default_factory=list)
+
+    def pareto(self) -> dict[str, list[tuple[str, str]]]:
+        """The Pareto set of every plan the two runs measured, per frontier (ids ``A3``: run A's step 3)."""
+        from ..pipeline.report_frontier import frontier_sets
+
+        return frontier_sets([(f"{name}{i}", s) for side, name in ((self.a, "A"), (self.b, "B")) for i, s in side.measured])
 
     def to_text(self) -> str:
         a, b = self.a, self.b
@@ -69,6 +76,11 @@ class Comparison:
                 if va != "–" or vb != "–":
                     lines.append(f"  {m:<26} A {va:<18} B {vb}")
             lines.append("")
+        pareto = self.pareto()
+        if pareto:
+            lines.append("Pareto set across both runs (every measured plan; A3 = run A's step 3, 0 = its baseline):")
+            lines += [f"  {title}: " + ", ".join(f"{i} {label}" for i, label in plans) for title, plans in pareto.items()]
+            lines.append("")
         if self.measured:
             lines.append("Measured here, interleaved (B against A; interval and noise band as a run's verdict uses them):")
             lines += [f"  {r.text()}" for r in self.measured]
@@ -83,7 +95,8 @@ class Comparison:
     def to_dict(self) -> dict[str, Any]:
         return {"a": {"source": self.a.source, "kind": self.a.kind, "plan": self.a.plan.to_dict(), "metrics": self.a.metrics},
                 "b": {"source": self.b.source, "kind": self.b.kind, "plan": self.b.plan.to_dict(), "metrics": self.b.metrics},
-                "diff": [[k, va, vb] for k, va, vb in self.diff], "targets": self.targets, "measured": [r.to_dict() for r in self.measured]}
+                "diff": [[k, va, vb] for k, va, vb in self.diff], "targets": self.targets, "measured": [r.to_dict() for r in self.measured],
+                "pareto": {title: [list(p) for p in plans] for title, plans in self.pareto().items()}}
 
 
 def load_side(source: str | Path) -> Side:
@@ -104,7 +117,8 @@ def load_side(source: str | Path) -> Side:
         plan = Plan.from_dict(final["plan"]) if final.get("plan") else recipe.plan()
         m = trace.machine or {}
         machine = f"{m.get('cpu', '?')}, GPUs: {', '.join(m.get('cuda_devices') or []) or 'none'}" if m else ""
-        return Side(source=str(source), kind="run", recipe=recipe, plan=plan, metrics=dict(final.get("metrics") or {}), machine=machine)
+        steps = ([("0", trace.baseline)] if trace.baseline else []) + [(str(i), s) for i, s in enumerate(trace.steps, start=1)]
+        return Side(source=str(source), kind="run", recipe=recipe, plan=plan, metrics=dict(final.get("metrics") or {}), machine=machine, measured=steps)
     recipe = load_recipe(path, check_model=False)  # comparing plans needs no model files
     return Side(source=str(source), kind="recipe", recipe=recipe, plan=recipe.plan())
 

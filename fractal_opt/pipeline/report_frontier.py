@@ -27,7 +27,7 @@ from typing import Any
 from .labels import pass_label
 from .report_svg import COLOURS, Svg, data_attrs, esc, fmt_num, is_num, nice_max
 
-__all__ = ["FRONTIERS", "Point", "chosen_step", "frontier_html", "pareto"]
+__all__ = ["FRONTIERS", "Point", "chosen_step", "frontier_html", "frontier_sets", "pareto"]
 
 # (x metric path, x higher is better, y metric path, y higher is better, title)
 FRONTIERS = (
@@ -88,6 +88,18 @@ def _points(steps: Sequence[tuple[str, Any]], x: str, y: str) -> list[Point]:
         vx, vy = _dig(s.metrics, x), _dig(s.metrics, y)
         if is_num(vx) and is_num(vy):
             out.append(Point(step=i, label=pass_label(s.pass_name, s.params, s.status), status=s.status, x=float(vx), y=float(vy)))
+    return out
+
+
+def frontier_sets(steps: Sequence[tuple[str, Any]]) -> dict[str, list[tuple[str, str]]]:
+    """Per frontier (by title), its plans as ``(step id, label)``, for frontiers with two plans or more.
+    ``fractal-opt compare`` pools the steps of several runs (ids ``A3``, ``B0``) to list them across runs."""
+    out = {}
+    for x, x_hi, y, y_hi, title in FRONTIERS:
+        points = _points(steps, x, y)
+        if len(points) >= 2:
+            on = pareto(points, x_higher=x_hi, y_higher=y_hi)
+            out[title] = [(p.step, p.label) for p in points if p.step in on]
     return out
 
 

@@ -75,3 +75,24 @@ def test_neither_recipe_nor_run(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RecipeError, match="no trace.json"):
         load_side(tmp_path / "empty")
+
+
+def test_two_runs_list_their_pareto_set_across_both(tmp_path, model):
+    """compare pools every plan both runs measured and names those on each frontier (A3 = run A's step 3)."""
+    def folder(name, points):
+        recipe = load_recipe(_recipe(model), check_model=False)
+        trace = Trace(recipe=recipe.to_dict())
+        base, *rest = [Step(pass_name=label, layer="-" if i == 0 else "scheduling", params={}, status="baseline" if i == 0 else "kept", reason="",
+                            metrics={"throughput_tokens_per_s": tput, "ttft_ms_p90": ttft}) for i, (label, tput, ttft) in enumerate(points)]
+        trace.baseline, trace.steps = base, rest
+        trace.final = {"plan": recipe.plan().to_dict(), "kept": [], "metrics": {}}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trace.json").write_text(trace.to_json(), encoding="utf-8")
+        return tmp_path / name
+
+    a = folder("a", [("baseline", 10.0, 900.0), ("batching", 30.0, 1500.0)])
+    b = folder("b", [("baseline", 9.0, 950.0), ("concurrency", 40.0, 1400.0)])
+    result = compare(a, b)
+    on = {i for i, _ in result.pareto()["throughput against TTFT p90"]}
+    assert on == {"A0", "B1"}  # A1 is beaten by B1 on both; B0 by A0
+    assert "Pareto set across both runs" in result.to_text() and result.to_dict()["pareto"]
