@@ -5,6 +5,11 @@ The model is the folder the transformers runtime measured: a GGUF source is its 
 safetensors copy with the tokenizer (:func:`.common.served_folder`). transformers 5.24 refuses
 a ``.gguf`` path ("Repo id must be in the form ...") and its ``repo:file.gguf`` form needs a hub
 repository, so the folder is also the only form that starts from a local file.
+
+The token cap travels in each request (``max_tokens``), not in generation_config.json: transformers
+serve 5.x raises a folder's ``max_new_tokens`` under 1024 to 1024 for a request that sends none
+(``_build_generation_config`` in transformers/cli/serving/utils.py), so a plan's cap of 24 written
+there would let a client that sends no ``max_tokens`` generate 1,024 tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ RUNTIME = "transformers"  # the fractal_opt runtime that measures the same kind 
 TABLE: dict[str, tuple[str, str]] = {
     **SHARED,
     **GEN_CONFIG,
+    "application.max_new_tokens": ("request", "max_tokens in each request: transformers serve raises a generation_config.json max_new_tokens under 1024 to 1024"),
     "hardware.device": ("arg", "--device"),
     "hardware.device_map": ("lost", "transformers serve loads on one --device; it takes no device_map"),
     "hardware.max_memory": ("lost", "transformers serve takes no per-device memory caps"),
@@ -92,5 +98,8 @@ def build(plan: Plan, where: Where, out: Export) -> dict[str, str]:
     if remark:
         out.remarks.append(remark)
     out.command = cmd
-    out.request = openai_request(plan)
+    out.request = {"model": model, **openai_request(plan)}  # a server given its model answers requests for that id only
+    if plan.application.max_new_tokens:
+        out.remarks.append(f"max_tokens {plan.application.max_new_tokens} goes in every request: transformers serve raises a "
+                           "generation_config.json max_new_tokens under 1024 to 1024 for a request that sends none")
     return reasons

@@ -61,7 +61,7 @@ def build(plan: Plan, where: Where, out: Export) -> dict[str, str]:
     body.pop("seed", None)
     if not plan.application.max_new_tokens:
         body.pop("max_tokens", None)
-    out.request = {**stream(plan), **body}
+    out.request = {"model": model, **stream(plan), **body}  # vllm serve names the model by its path unless --served-model-name
     m = plan.model
     if "model.weight_bits" in reasons:  # the whole weight quantization stays behind
         for name in ("quant_backend", "quant_method"):
