@@ -73,7 +73,7 @@ def _in_corpus(monkeypatch):
 
     monkeypatch.chdir(BAD)
     monkeypatch.setattr(fractal_opt.models, "materialize", no_weights)
-    monkeypatch.setattr(fractal_opt.runtimes, "build", no_weights)
+    monkeypatch.setattr(fractal_opt.runtimes.RUNTIMES, "build", no_weights)
 
 
 def _refused(argv: list[str], capsys) -> str:

@@ -15,33 +15,19 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..machine import Machine, resolve_device
+from .recipe_checks import FAIL, NA, OK, WARN, Check, passes_check, runtimes_check
 
 __all__ = ["Check", "busy_check", "doctor", "render"]
 
-OK, WARN, FAIL, NA = "ok", "warn", "fail", "n/a"
 # Weights + KV above this share of the device leave no room for activations, the reference
 # logits and the previous plan's model (interleaved measurement holds two).
 HEADROOM_SHARE = 0.8
 # Models below this many parameters gain little from weight quantization on a CPU: the bytes
 # saved are few and dequantizing every matmul costs more (the field guide's 0.5B example).
 SMALL_MODEL_PARAMS = 1_000_000_000
-
-
-@dataclass(frozen=True)
-class Check:
-    """One item of the checklist: what was looked at, the verdict, what was found and what to do."""
-
-    name: str
-    verdict: str  # ok | warn | fail | n/a
-    found: str
-    action: str = ""
-
-    def to_dict(self) -> dict[str, str]:
-        return asdict(self)
 
 
 def _version(name: str) -> str | None:
@@ -239,17 +225,6 @@ def _positions(model: str) -> int | None:
         return None
 
 
-def passes_check(recipe: Any, machine: Machine) -> Check:
-    """The recipe's own passes (with its parameters) this machine cannot run (``unavailable``): the
-    run skips them. What a runtime refuses after another pass was kept is a run's business, not
-    the machine's: such a pass still runs if that other pass is rolled back."""
-    cannot = [f"{p.layer.section}/{p.name}: {why}" for p in recipe.passes if (why := p.unavailable(machine)) is not None]
-    if not cannot:
-        return Check("recipe passes", OK, f"this machine can run all {len(recipe.passes)} passes of the recipe")
-    return Check("recipe passes", WARN, f"{len(cannot)} of {len(recipe.passes)} passes cannot run here (the run skips them): " + "; ".join(cannot),
-                 "run the recipe on a machine that has what they need, or drop them")
-
-
 def _context(recipe: Any) -> int:
     """Tokens one request needs: its longest prompt (≈ 4 characters per token) plus the new tokens."""
     requests = recipe.workload.requests()
@@ -317,7 +292,7 @@ def doctor(recipe: Any = None, *, machine: Machine | None = None, build: bool | 
               threads_check(machine, plan.hardware.threads if plan is not None else None), busy_check(machine, sample_s=sample_s)]
     if recipe is None:
         return checks
-    checks.append(passes_check(recipe, machine))
+    checks += [passes_check(recipe, machine), runtimes_check(recipe, machine)]
     shape, config = _shape(recipe.model)
     if shape is None:
         note = f"no readable config for {recipe.model!r} (a hub id that is not downloaded, or an exotic architecture)"

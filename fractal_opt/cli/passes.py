@@ -11,7 +11,7 @@ from typing import Any
 
 def add(sub) -> None:
     p = sub.add_parser("passes", help="list every pass by layer, and whether it can run on this machine")
-    p.add_argument("--json", action="store_true", help="print [{name, layer, summary, params, available, unavailable, runtimes}] instead of text")
+    p.add_argument("--json", action="store_true", help="print [{name, layer, summary, params, available, unavailable, runtimes, capabilities}] instead of text")
     p.set_defaults(func=passes)
 
 
@@ -31,11 +31,19 @@ def describe_passes() -> list[dict[str, Any]]:
             entry: dict[str, Any] = {"name": cls.name, "layer": layer.section, "summary": cls.summary(), "params": params,
                                      "available": why is None, "unavailable": why}
             if cls.name == "runtime":
-                from ..runtimes import availability
+                from ..runtimes import RUNTIMES
 
-                entry["runtimes"] = availability(machine)  # runtime -> None (runs here) or why not
+                entry["runtimes"] = RUNTIMES.availability(machine)  # runtime -> None (runs here) or why not
+                entry["capabilities"] = {caps.name: _capabilities(caps) for caps in RUNTIMES}
             out.append(entry)
     return out
+
+
+def _capabilities(caps: Any) -> dict[str, Any]:
+    """What a runtime's capabilities table says, as plain data (the registry's, fractal_opt.runtimes)."""
+    return {"summary": caps.summary, "weights": caps.weights, "refuses": caps.refused_fields(), "whole_device": caps.whole_device,
+            "batch_invariant": caps.batch_invariant, "default_threads": caps.default_threads, "idle": dataclasses.asdict(caps.idle),
+            "telemetry": list(caps.telemetry), "export_targets": list(caps.export_targets), "options": sorted(caps.options)}
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -62,5 +70,9 @@ def passes(args: argparse.Namespace) -> int:
         print(f"   {'':<16} {'available on this machine' if e['available'] else 'not available here: ' + e['unavailable']}")
         for runtime, reason in (e.get("runtimes") or {}).items():
             print(f"   {'':<16}   {runtime:<13} {'runs here' if reason is None else 'not here: ' + reason}")
+            caps = e["capabilities"][runtime]
+            device = "takes a whole GPU" if caps["whole_device"] == "accelerator" else "shares its device"
+            print(f"   {'':<16}   {'':<13} serves {caps['weights']} weights; {device}; refuses {len(caps['refuses'])} plan fields at some "
+                  f"value; exports to {', '.join(caps['export_targets']) or 'no target'}")
     return 0
 

@@ -78,12 +78,6 @@ class Engine(abc.ABC):
         """Why this runtime cannot honour ``plan`` (a field it cannot map), or None."""
         return None
 
-    @classmethod
-    def takes_whole_device(cls, plan: Plan) -> bool:
-        """True when a server for ``plan`` reserves most of its device at start (vLLM on a GPU), so
-        it cannot be measured side by side with another plan's model."""
-        return False
-
     def activate(self) -> float:
         """Make this engine ready to compute, before a timed round: a runtime whose loaded models
         slow each other down while resident (llama.cpp servers in one process) releases the others

@@ -101,5 +101,12 @@ def _note(plan: Plan, target: str, measured: str | None) -> str:
     where = f" ({measured})" if measured else ""
     server = "the server that loads this file" if target == "generation-config" else target
     return (f"The numbers in this run were measured on the {runtime} runtime{where}, with fractal_opt's own request server; "
-            f"{server} is another server" + (" on another runtime" if _MODULES[target].RUNTIME != runtime else "") +
+            f"{server} is another server" + ("" if _same_runtime(runtime, target) else " on another runtime") +
             ": re-measure there before relying on them.")
+
+
+def _same_runtime(runtime: str, target: str) -> bool:
+    """Whether ``target`` runs the runtime the plan was measured on (its capabilities' export targets)."""
+    from ..engine.registry import RUNTIMES
+
+    return runtime in RUNTIMES.names() and target in RUNTIMES.get(runtime).export_targets

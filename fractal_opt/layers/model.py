@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..engine.registry import capabilities_of
 from ..errors import RecipeError
 from ..machine import Machine, resolve_device
 from ..passes import Layer, Pass, register
@@ -94,7 +95,7 @@ class Quantize(Pass):
             return self.backend
         if self.method in BNB_METHODS:
             return "bitsandbytes"
-        if self.method in GGUF_METHODS or (plan is not None and plan.hardware.runtime == "llama_cpp"):
+        if self.method in GGUF_METHODS or (plan is not None and capabilities_of(plan).weights == "gguf"):
             return "gguf"
         if self.method != "auto" or plan is None:
             return "torchao"
@@ -124,8 +125,8 @@ class Quantize(Pass):
             return f"backend {backend!r} needs the {package} package (pip install {package})"
         if backend == "gguf":
             return self._gguf_problem(plan)
-        if plan.hardware.runtime == "llama_cpp":
-            return f"backend {backend!r} quantizes transformers models; the llama_cpp runtime serves a GGUF file (backend: gguf re-quantizes it)"
+        if capabilities_of(plan).weights == "gguf":
+            return f"backend {backend!r} quantizes transformers models; the {plan.hardware.runtime} runtime serves a GGUF file (backend: gguf re-quantizes it)"
         device = resolve_device(plan.hardware.device, machine)
         if device == "mps" and backend != "quanto":
             return f"backend {backend!r} has no MPS kernels; use backend quanto"

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .. import runtimes
+from ..engine.registry import RUNTIMES
 from ..errors import FractalOptError
 from ..machine import Machine
 from ..passes import Pass, StepResult
@@ -93,7 +93,7 @@ def skip_reason(p: Pass, plan: Plan, machine: Machine, *, refuse: Callable[[Plan
     In order: the machine cannot run the pass (``unavailable``), the pass refuses the plan
     (``check``), the plan already has what the pass sets (``p.apply(plan) == plan``: measuring a
     no-op only invites noise to decide), the runtime cannot honour the new plan (``refuse``; None =
-    the runtime the plan names, :func:`fractal_opt.runtimes.refuse`).
+    the runtime the plan names in the process's registry, :data:`fractal_opt.runtimes.RUNTIMES`).
     """
     if (why := p.unavailable(machine)) is not None:
         return f"check: {why}"
@@ -102,6 +102,6 @@ def skip_reason(p: Pass, plan: Plan, machine: Machine, *, refuse: Callable[[Plan
     candidate = p.apply(plan)
     if candidate == plan:
         return f"{UNCHANGED} ({p.describe()} changes nothing)"
-    if (why := (refuse or runtimes.refuse)(candidate)) is not None:
+    if (why := (refuse or RUNTIMES.refuse)(candidate)) is not None:
         return f"runtime {candidate.hardware.runtime}: {why}"
     return None

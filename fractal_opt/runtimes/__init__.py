@@ -1,6 +1,12 @@
 """Runtimes: each implements the Engine protocol (:mod:`fractal_opt.engine.protocol`) on one
 inference engine, and :func:`build` picks the one a plan names (``plan.hardware.runtime``).
 
+A runtime is a folder here plus one registration: its ``capabilities.py`` declares what the house
+reads (:class:`Capabilities`: the fields it refuses, whether it takes the whole device, what an idle
+instance costs, its export targets, ...), and this package registers it in
+:data:`RUNTIMES` (:mod:`fractal_opt.engine.registry`). A third-party package calls
+:func:`register` or names its Capabilities in the ``fractal_opt.runtimes`` entry-point group.
+
 - ``transformers``: Hugging Face transformers in this process (the baseline).
 - ``llama_cpp``: llama.cpp's server in this process through the ``xllamacpp`` wheel (GGUF models, CPU),
   or a ``llama-server`` child process (``hardware.runtime_path``; ``native``: built for this CPU).
@@ -17,65 +23,43 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine import protocol
-from ..errors import FractalOptError, RecipeError, closest
+from ..engine.capabilities import Capabilities, Idle, Refusal
+from ..engine.registry import RUNTIMES, Runtimes, register
+from ..errors import RecipeError
 from ..machine import Machine
 from ..plan import Plan
+from .llama_cpp.capabilities import CAPABILITIES as _LLAMA_CPP
+from .transformers.capabilities import CAPABILITIES as _TRANSFORMERS
+from .vllm.capabilities import CAPABILITIES as _VLLM
 
-__all__ = ["RUNTIMES", "Engine", "availability", "build", "clear_cache", "evict_except", "from_recipe", "recipe_source", "refuse", "takes_whole_device"]
+__all__ = ["RUNTIMES", "Capabilities", "Engine", "Idle", "Refusal", "Runtimes", "availability", "build", "clear_cache", "evict_except", "from_recipe",
+           "recipe_source", "refuse", "register", "takes_whole_device"]
 
-RUNTIMES = ("transformers", "llama_cpp", "vllm")
-
-
-def _engine_class(runtime: str) -> type[protocol.Engine]:
-    if runtime == "transformers":
-        from .transformers.engine import TransformersEngine
-
-        return TransformersEngine
-    if runtime == "llama_cpp":
-        from .llama_cpp.engine import LlamaCppEngine
-
-        return LlamaCppEngine
-    if runtime == "vllm":
-        from .vllm.engine import VllmEngine
-
-        return VllmEngine
-    msg = f"plan.hardware.runtime: unknown runtime {runtime!r}. Valid runtimes are: {list(RUNTIMES)}.{closest(runtime, RUNTIMES)}"
-    raise RecipeError(msg)
+# The built-in runtimes: each a folder here plus this one registration (a third-party package
+# registers its own with register(...) or the fractal_opt.runtimes entry-point group).
+for _caps in (_TRANSFORMERS, _LLAMA_CPP, _VLLM):
+    register(_caps)
 
 
 def availability(machine: Machine) -> dict[str, str | None]:
-    """Per runtime, why it cannot run here (a missing package, no vLLM found), or None when it can.
-
-    Looks, never loads: what ``fractal-opt passes`` shows under the runtime pass.
-    """
-    out: dict[str, str | None] = {"transformers": None}
-    out["llama_cpp"] = None if machine.has_package("xllamacpp") else "needs the xllamacpp package (pip install xllamacpp; make setup installs it)"
-    from .vllm.process import find_executable, find_url
-
-    if find_url(None):
-        out["vllm"] = None
-    else:
-        try:
-            find_executable(None)
-            out["vllm"] = None
-        except FractalOptError as e:
-            out["vllm"] = str(e)
-    return out
+    """Per runtime, why it cannot run here (a missing package, no vLLM found), or None when it can
+    (:meth:`Runtimes.availability`)."""
+    return RUNTIMES.availability(machine)
 
 
 def refuse(plan: Plan) -> str | None:
     """Why the runtime the plan names cannot honour it, or None (the runner skips such a step)."""
-    return _engine_class(plan.hardware.runtime).refuse(plan)
+    return RUNTIMES.refuse(plan)
 
 
 def takes_whole_device(plan: Plan) -> bool:
-    """True when the plan's runtime reserves most of its device at start (see the protocol)."""
-    return _engine_class(plan.hardware.runtime).takes_whole_device(plan)
+    """True when the plan's runtime reserves most of its device at start (its capabilities say so)."""
+    return RUNTIMES.takes_whole_device(plan)
 
 
 def build(plan: Plan, *, machine: Machine | None = None, progress: Callable[[str], None] = print, max_new_tokens: int | None = None) -> protocol.Engine:
     """Load (or reuse) the deployment ``plan`` describes on the runtime it names."""
-    return _engine_class(plan.hardware.runtime).build(plan, machine=machine, progress=progress, max_new_tokens=max_new_tokens)
+    return RUNTIMES.build(plan, machine=machine, progress=progress, max_new_tokens=max_new_tokens)
 
 
 def recipe_source(source: Any) -> Any:
@@ -109,22 +93,12 @@ def from_recipe(recipe: Any, *, progress: Callable[[str], None] = print) -> prot
 
 def evict_except(keep: set[tuple]) -> None:
     """Drop every runtime's cached models whose weights key is not in ``keep``."""
-    from . import llama_cpp, vllm
-    from .transformers.engine import evict_except as transformers_evict
-
-    transformers_evict(keep)
-    llama_cpp.evict_except(keep)
-    vllm.evict_except(keep)
+    RUNTIMES.evict_except(keep)
 
 
 def clear_cache() -> None:
     """Drop every runtime's cached models (frees memory; the next build loads again)."""
-    from . import llama_cpp, vllm
-    from .transformers.engine import clear_cache as transformers_clear
-
-    transformers_clear()
-    llama_cpp.clear_cache()
-    vllm.clear_cache()
+    RUNTIMES.clear_cache()
 
 
 class Engine:

@@ -338,7 +338,7 @@ def test_runtime_pass_sets_the_runtime_and_its_vllm_fields():
 
     plan = Runtime(backend="vllm", url="http://127.0.0.1:8000", tensor_parallel=2).apply(PLAN)
     assert (plan.hardware.runtime, plan.hardware.runtime_url, plan.hardware.tensor_parallel) == ("vllm", "http://127.0.0.1:8000", 2)
-    with pytest.raises(RecipeError, match="apply to backend 'vllm' only"):
+    with pytest.raises(RecipeError, match=r"applies to backends \['vllm'\] only"):
         Runtime(backend="llama_cpp", tensor_parallel=2)
     with pytest.raises(RecipeError, match="tensor_parallel must be >= 1"):
         Runtime(backend="vllm", tensor_parallel=0)

@@ -349,7 +349,7 @@ def test_the_cli_reports_a_failing_baseline_with_exit_1_and_no_traceback(probes_
     from fractal_opt.cli import main
     from fractal_opt.pipeline import runner
 
-    monkeypatch.setattr(runtimes, "build", FakeEngine.factory())  # no model: the fake engine, as the CLI would build a real one
+    monkeypatch.setattr(runtimes.RUNTIMES, "build", FakeEngine.factory())  # no model: the fake engine, as the CLI would build a real one
     monkeypatch.setattr(runner, "probe_limits", lambda *a, **k: LIMITS)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(_recipe(fake_model(tmp_path / "model"), f"{probes_module}:broken", timeout_s=120)), encoding="utf-8")

@@ -112,7 +112,7 @@ def test_the_runtime_pass_takes_a_path_for_llama_cpp_and_not_for_transformers() 
     assert (plan.hardware.runtime, plan.hardware.runtime_path) == ("llama_cpp", NATIVE)
     with pytest.raises(RecipeError, match="'path' applies to backends"):
         Runtime(backend="transformers", path="/x")
-    with pytest.raises(RecipeError, match="apply to backend 'vllm' only"):
+    with pytest.raises(RecipeError, match=r"applies to backends \['vllm'\] only"):
         Runtime(backend="llama_cpp", url="http://127.0.0.1:1")
 
 

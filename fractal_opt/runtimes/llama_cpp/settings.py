@@ -22,11 +22,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ...batch_sizes import N_BATCH_DEFAULT, N_UBATCH_DEFAULT, batch_problems
+from ...engine.capabilities import Refusal
+from ...engine.capabilities import refusals as table_refusals
 from ...plan import Plan
 from .process import executable_problem, resolve_executable
 from .requantize import DTYPE_TARGETS, GGUF_BITS
 
-__all__ = ["KV_CACHE_TYPES", "N_BATCH_DEFAULT", "N_UBATCH_DEFAULT", "ServerSettings", "batch_problems", "common_params", "describe", "refusals", "request_body", "server_settings"]
+__all__ = ["KV_CACHE_TYPES", "N_BATCH_DEFAULT", "N_UBATCH_DEFAULT", "REFUSALS", "ServerSettings", "batch_problems", "common_params", "describe", "refusals", "request_body", "server_settings"]
 
 # plan.model.kv_bits -> llama.cpp cache type (ggml block formats: 32 values per block with one f16
 # scale; q8_0 = 34 bytes per block, q4_0 = 18). llama.cpp has no 2-bit KV cache type.
@@ -69,94 +71,108 @@ class ServerSettings:
 
 
 def refusals(plan: Plan) -> list[str]:
-    """Every field of ``plan`` llama.cpp cannot honour, each as a reason naming field and value.
+    """Every field of ``plan`` llama.cpp cannot honour, each as a reason naming field and value
+    (the rows of :data:`REFUSALS`, in order).
 
     A field at its transformers default is accepted when llama.cpp's own behaviour is the same
     kind of thing (sdpa attention -> llama.cpp's attention kernel; float32 -> float32 activations
     over the GGUF's stored weight types).
     """
-    hw, m, s, app = plan.hardware, plan.model, plan.scheduling, plan.application
-    out: list[str] = []
+    return table_refusals(REFUSALS, plan)
 
-    def no(field: str, value: Any, why: str) -> None:
-        out.append(f"{field}={value!r}: {why}")
 
-    if hw.device not in ("cpu", "auto"):
-        no("hardware.device", hw.device, "the xllamacpp wheel installed here is a CPU build; use device: cpu")
-    for name in ("device_map", "offload_folder"):
-        if getattr(hw, name) is not None:
-            no(f"hardware.{name}", getattr(hw, name), "accelerate placement is a transformers feature; llama.cpp runs the whole model on the CPU here")
-    if hw.max_memory:
-        no("hardware.max_memory", hw.max_memory, "accelerate placement is a transformers feature")
-    if hw.dtype != "float32" and hw.dtype not in DTYPE_TARGETS:
-        no("hardware.dtype", hw.dtype, f"llama.cpp computes in the GGUF's stored weight types; the dtypes it maps (a copy of the GGUF in that type) are {['float32', *DTYPE_TARGETS]}")
-    elif hw.dtype in DTYPE_TARGETS and m.quant_backend == "gguf":
-        no("hardware.dtype", hw.dtype, f"the GGUF is rewritten in one weight type, and the plan also re-quantizes it to {m.quant_method} (quantize pass, backend gguf): keep one of the two")
-    if hw.attention != "sdpa":
-        no("hardware.attention", hw.attention, "transformers attention kernels do not exist in llama.cpp, which uses its own (flash attention is its own setting)")
-    if hw.matmul_precision != "highest":
-        no("hardware.matmul_precision", hw.matmul_precision, "TF32 matmul precision is a torch setting; llama.cpp's CPU kernels have none")
-    if hw.compile is not None:
-        no("hardware.compile", hw.compile, "torch.compile applies to torch models only; llama.cpp's kernels are compiled ahead of time")
-    if hw.flash_attention not in FLASH_ATTENTION:
-        no("hardware.flash_attention", hw.flash_attention, f"llama.cpp's flash attention is one of {list(FLASH_ATTENTION)}")
-    for name, why in batch_problems(hw.n_batch, hw.n_ubatch).items():
-        no(f"hardware.{name}", getattr(hw, name), why)
-    kv_tokens = _kv_tokens(plan)
-    for name in ("n_batch", "n_ubatch"):
-        value = getattr(hw, name)
-        if isinstance(value, int) and value > kv_tokens:
-            # llama_context runs min(n_ctx, n_batch) for a causal model: the excess is never used.
-            no(f"hardware.{name}", value, f"exceeds the plan's KV cache of {kv_tokens} tokens (n_ctx), to which llama.cpp silently lowers it; "
-               "set at most that, or raise model.context_cap")
-    if hw.runtime_path is not None and (problem := executable_problem(hw.runtime_path)):
-        out.append(problem)
-    if hw.runtime_url is not None:
-        no("hardware.runtime_url", hw.runtime_url, "a running server is vLLM's option; the llama_cpp runtime starts its own llama-server (runtime_path) or runs xllamacpp in this process")
-    for name in ("tensor_parallel", "pipeline_parallel"):
-        if getattr(hw, name) != 1:
-            no(f"hardware.{name}", getattr(hw, name), "splitting a model over GPUs is vLLM's (runtime: vllm); this llama.cpp build runs on one CPU")
-    if hw.prepack:
-        no("hardware.prepack", hw.prepack, "oneDNN prepacking is a torch feature; llama.cpp repacks quantized weights for the CPU by itself")
-    gguf = m.quant_backend == "gguf"
-    if gguf and (m.quant_method, m.weight_bits) not in GGUF_METHOD_BITS:
-        no("model.quant_method", m.quant_method, f"the gguf backend writes {', '.join(f'{q} ({b} bits)' for q, b in GGUF_METHOD_BITS)}")
-    elif not gguf and (m.weight_bits is not None or m.quant_backend is not None or m.quant_method is not None):
-        no("model.weight_bits", m.weight_bits, f"llama.cpp serves a GGUF file: the {m.quant_backend or 'no'} backend quantizes transformers models; "
-           "re-quantize the GGUF with the quantize pass's backend: gguf (q8_0 / q4_0) instead")
-    for name in ("quant_group_size", "quant_sensitivity_max_kl"):
-        if getattr(m, name) is not None:
-            no(f"model.{name}", getattr(m, name), "a transformers quantization parameter; ggml's block types fix their own layout")
-    if m.quant_skip and not (gguf and tuple(m.quant_skip) == ("lm_head",)):
-        no("model.quant_skip", m.quant_skip, "a transformers quantization parameter; the gguf backend keeps the output head (skip: [lm_head]) or nothing")
-    if m.kv_cache in ("offloaded", "off"):
-        no("model.kv_cache", m.kv_cache, "llama.cpp keeps its KV cache in memory, always on (allowed: dynamic, static, quantized)")
-    elif m.kv_cache == "quantized":
-        if m.kv_bits not in KV_CACHE_TYPES or m.kv_bits is None:
-            no("model.kv_bits", m.kv_bits, f"llama.cpp's quantized KV cache types are q8_0 and q4_0 (kv_bits 8 or 4); allowed: {[b for b in KV_CACHE_TYPES if b]}")
-        if m.kv_backend not in (None, "native"):
-            no("model.kv_backend", m.kv_backend, "quanto / hqq quantize transformers' cache; llama.cpp quantizes its own (kv_cache pass: backend: native)")
-    elif m.kv_cache not in ("dynamic", "static"):
-        no("model.kv_cache", m.kv_cache, "unknown cache kind for llama.cpp (allowed: dynamic, static, quantized)")
-    if s.batching == "static":
-        no("scheduling.batching", s.batching, "llama.cpp has no padded static batches; its server batches continuously (batching: continuous)")
-    cb_defaults = {"cb_max_batch_tokens": None, "cb_num_blocks": None, "cb_page_size": 256, "cb_max_memory_percent": None, "cb_scheduler": "fifo"}
-    for name, default in cb_defaults.items():
-        if getattr(s, name) != default:
-            no(f"scheduling.{name}", getattr(s, name), "a setting of transformers' continuous batching; llama.cpp sizes its batch and KV cache itself")
-    if app.num_beams > 1:
-        no("application.num_beams", app.num_beams, "llama.cpp's server has no beam search")
-    if app.no_repeat_ngram_size:
-        no("application.no_repeat_ngram_size", app.no_repeat_ngram_size, "llama.cpp has no n-gram ban (repetition_penalty, its repeat_penalty, is mapped)")
-    if app.prompt_budget is not None:
-        no("application.prompt_budget", app.prompt_budget, "trimming needs the tokenizer in Python; not wired to the llama.cpp runtime yet")
-    if app.response_cache is not None:
-        no("application.response_cache", app.response_cache, "not wired to the llama.cpp runtime yet")
-    if app.prompt_lookup_tokens is not None:
-        no("application.prompt_lookup_tokens", app.prompt_lookup_tokens, "llama.cpp's n-gram speculation is not wired to this runtime yet")
-    if app.draft is not None:
-        no("application.draft", app.draft, "llama.cpp's draft-model speculation needs a GGUF draft; not wired to this runtime yet")
-    return out
+_ACCELERATE = "accelerate placement is a transformers feature"
+_CB_DEFAULTS = {"cb_max_batch_tokens": None, "cb_num_blocks": None, "cb_page_size": 256, "cb_max_memory_percent": None, "cb_scheduler": "fifo"}
+_NOT_WIRED = "not wired to the llama.cpp runtime yet"
+
+
+def _gguf(plan: Plan) -> bool:
+    return plan.model.quant_backend == "gguf"
+
+
+def _dtype_unmapped(plan: Plan) -> bool:
+    return plan.hardware.dtype != "float32" and plan.hardware.dtype not in DTYPE_TARGETS
+
+
+def _batch_rows(name: str) -> tuple[Refusal, ...]:
+    """n_batch / n_ubatch against llama.cpp's pair rule (:func:`batch_problems`)."""
+    def problem(plan: Plan) -> str | None:
+        return batch_problems(plan.hardware.n_batch, plan.hardware.n_ubatch).get(name)
+
+    return (Refusal(f"hardware.{name}", lambda p: problem(p) is not None, lambda p: f"hardware.{name}={getattr(p.hardware, name)!r}: {problem(p)}"),)
+
+
+def _kv_rows(name: str) -> Refusal:
+    """n_batch / n_ubatch above the KV cache: llama_context runs min(n_ctx, n_batch) for a causal model, so the excess is never used."""
+    def over_kv(plan: Plan) -> bool:
+        v = getattr(plan.hardware, name)
+        return isinstance(v, int) and v > _kv_tokens(plan)
+
+    return Refusal(f"hardware.{name}", over_kv, lambda p: (
+        f"hardware.{name}={getattr(p.hardware, name)!r}: exceeds the plan's KV cache of {_kv_tokens(p)} tokens (n_ctx), to which llama.cpp "
+        "silently lowers it; set at most that, or raise model.context_cap"))
+
+
+def _quant_skip_refused(plan: Plan) -> bool:
+    m = plan.model
+    return bool(m.quant_skip) and not (_gguf(plan) and tuple(m.quant_skip) == ("lm_head",))
+
+
+def _kv_bits_refused(plan: Plan) -> bool:
+    return plan.model.kv_cache == "quantized" and (plan.model.kv_bits not in KV_CACHE_TYPES or plan.model.kv_bits is None)
+
+
+# The plan fields llama.cpp cannot honour, and why: one row each, in the order the reasons are listed.
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal("hardware.device", lambda p: p.hardware.device not in ("cpu", "auto"), "the xllamacpp wheel installed here is a CPU build; use device: cpu"),
+    Refusal("hardware.device_map", lambda p: p.hardware.device_map is not None, f"{_ACCELERATE}; llama.cpp runs the whole model on the CPU here"),
+    Refusal("hardware.offload_folder", lambda p: p.hardware.offload_folder is not None, f"{_ACCELERATE}; llama.cpp runs the whole model on the CPU here"),
+    Refusal("hardware.max_memory", lambda p: bool(p.hardware.max_memory), _ACCELERATE),
+    Refusal("hardware.dtype", _dtype_unmapped, "llama.cpp computes in the GGUF's stored weight types; the dtypes it maps (a copy of the GGUF in that "
+            f"type) are {['float32', *DTYPE_TARGETS]}"),
+    Refusal("hardware.dtype", lambda p: not _dtype_unmapped(p) and p.hardware.dtype in DTYPE_TARGETS and _gguf(p), lambda p: (
+        f"hardware.dtype={p.hardware.dtype!r}: the GGUF is rewritten in one weight type, and the plan also re-quantizes it to "
+        f"{p.model.quant_method} (quantize pass, backend gguf): keep one of the two")),
+    Refusal("hardware.attention", lambda p: p.hardware.attention != "sdpa",
+            "transformers attention kernels do not exist in llama.cpp, which uses its own (flash attention is its own setting)"),
+    Refusal("hardware.matmul_precision", lambda p: p.hardware.matmul_precision != "highest", "TF32 matmul precision is a torch setting; llama.cpp's CPU kernels have none"),
+    Refusal("hardware.compile", lambda p: p.hardware.compile is not None, "torch.compile applies to torch models only; llama.cpp's kernels are compiled ahead of time"),
+    Refusal("hardware.flash_attention", lambda p: p.hardware.flash_attention not in FLASH_ATTENTION, f"llama.cpp's flash attention is one of {list(FLASH_ATTENTION)}"),
+    *_batch_rows("n_batch"), *_batch_rows("n_ubatch"), _kv_rows("n_batch"), _kv_rows("n_ubatch"),
+    Refusal("hardware.runtime_path", lambda p: p.hardware.runtime_path is not None and executable_problem(p.hardware.runtime_path) is not None,
+            lambda p: str(executable_problem(p.hardware.runtime_path))),
+    Refusal("hardware.runtime_url", lambda p: p.hardware.runtime_url is not None,
+            "a running server is vLLM's option; the llama_cpp runtime starts its own llama-server (runtime_path) or runs xllamacpp in this process"),
+    *(Refusal(f"hardware.{name}", lambda p, n=name: getattr(p.hardware, n) != 1,
+              "splitting a model over GPUs is vLLM's (runtime: vllm); this llama.cpp build runs on one CPU") for name in ("tensor_parallel", "pipeline_parallel")),
+    Refusal("hardware.prepack", lambda p: bool(p.hardware.prepack), "oneDNN prepacking is a torch feature; llama.cpp repacks quantized weights for the CPU by itself"),
+    Refusal("model.quant_method", lambda p: _gguf(p) and (p.model.quant_method, p.model.weight_bits) not in GGUF_METHOD_BITS,
+            f"the gguf backend writes {', '.join(f'{q} ({b} bits)' for q, b in GGUF_METHOD_BITS)}"),
+    Refusal("model.weight_bits", lambda p: not _gguf(p) and (p.model.weight_bits is not None or p.model.quant_backend is not None or p.model.quant_method is not None),
+            lambda p: (f"model.weight_bits={p.model.weight_bits!r}: llama.cpp serves a GGUF file: the {p.model.quant_backend or 'no'} backend quantizes "
+                       "transformers models; re-quantize the GGUF with the quantize pass's backend: gguf (q8_0 / q4_0) instead")),
+    *(Refusal(f"model.{name}", lambda p, n=name: getattr(p.model, n) is not None, "a transformers quantization parameter; ggml's block types fix their own layout")
+      for name in ("quant_group_size", "quant_sensitivity_max_kl")),
+    Refusal("model.quant_skip", _quant_skip_refused, "a transformers quantization parameter; the gguf backend keeps the output head (skip: [lm_head]) or nothing"),
+    Refusal("model.kv_cache", lambda p: p.model.kv_cache in ("offloaded", "off"), "llama.cpp keeps its KV cache in memory, always on (allowed: dynamic, static, quantized)"),
+    Refusal("model.kv_bits", _kv_bits_refused,
+            f"llama.cpp's quantized KV cache types are q8_0 and q4_0 (kv_bits 8 or 4); allowed: {[b for b in KV_CACHE_TYPES if b]}"),
+    Refusal("model.kv_backend", lambda p: p.model.kv_cache == "quantized" and p.model.kv_backend not in (None, "native"),
+            "quanto / hqq quantize transformers' cache; llama.cpp quantizes its own (kv_cache pass: backend: native)"),
+    Refusal("model.kv_cache", lambda p: p.model.kv_cache not in ("offloaded", "off", "quantized", "dynamic", "static"),
+            "unknown cache kind for llama.cpp (allowed: dynamic, static, quantized)"),
+    Refusal("scheduling.batching", lambda p: p.scheduling.batching == "static",
+            "llama.cpp has no padded static batches; its server batches continuously (batching: continuous)"),
+    *(Refusal(f"scheduling.{name}", lambda p, n=name, d=default: getattr(p.scheduling, n) != d,
+              "a setting of transformers' continuous batching; llama.cpp sizes its batch and KV cache itself") for name, default in _CB_DEFAULTS.items()),
+    Refusal("application.num_beams", lambda p: p.application.num_beams > 1, "llama.cpp's server has no beam search"),
+    Refusal("application.no_repeat_ngram_size", lambda p: bool(p.application.no_repeat_ngram_size),
+            "llama.cpp has no n-gram ban (repetition_penalty, its repeat_penalty, is mapped)"),
+    Refusal("application.prompt_budget", lambda p: p.application.prompt_budget is not None, "trimming needs the tokenizer in Python; " + _NOT_WIRED),
+    Refusal("application.response_cache", lambda p: p.application.response_cache is not None, _NOT_WIRED),
+    Refusal("application.prompt_lookup_tokens", lambda p: p.application.prompt_lookup_tokens is not None, "llama.cpp's n-gram speculation is not wired to this runtime yet"),
+    Refusal("application.draft", lambda p: p.application.draft is not None, "llama.cpp's draft-model speculation needs a GGUF draft; not wired to this runtime yet"),
+)
 
 
 def _slots(plan: Plan) -> int:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ...engine.capabilities import refusals
 from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
 from ...errors import EngineError, RecipeError, RequestRejected, closest
 from ...machine import Machine
@@ -34,6 +35,7 @@ from ...serving.server import Server, serve_all
 from ...workload import Request
 from .app import AppRuntime, trim_stop
 from .census import census
+from .capabilities import REFUSALS
 from .generate_kwargs import generate_kwargs
 from .loading import load
 from .torch_knobs import no_grad, runtime
@@ -175,22 +177,7 @@ class TransformersEngine(Engine):
         Continuous batching would silently ignore some generate() arguments (beams, speculation,
         stop strings, a static cache), and the semantic response cache needs its embedding model.
         """
-        hw = plan.hardware
-        # Fields other runtimes read: at their defaults they mean what transformers does anyway.
-        other = {"hardware.flash_attention": (hw.flash_attention, "auto", "llama.cpp's flash-attention switch (transformers picks its kernel with the attention pass)"),
-                 "hardware.runtime_path": (hw.runtime_path, None, "where to find vLLM"), "hardware.runtime_url": (hw.runtime_url, None, "a running vLLM server"),
-                 "hardware.tensor_parallel": (hw.tensor_parallel, 1, "vLLM's tensor parallelism (transformers places layers with device_map)"),
-                 "hardware.pipeline_parallel": (hw.pipeline_parallel, 1, "vLLM's pipeline parallelism (transformers places layers with device_map)"),
-                 "hardware.n_batch": (hw.n_batch, None, "llama.cpp's tokens per decode call; transformers' continuous batching takes its tokens per step from scheduling.cb_max_batch_tokens (batching pass, max_batch_tokens)"),
-                 "hardware.n_ubatch": (hw.n_ubatch, None, "llama.cpp's tokens per forward pass; transformers runs a prompt's prefill in one forward pass")}
-        if plan.scheduling.prefix_cache and plan.scheduling.batching != "continuous":
-            other["scheduling.prefix_cache"] = (True, False, "transformers reuses a prompt prefix's KV pages only in continuous batching's paged cache "
-                                                "(a batching: continuous pass first)")
-        bad = [f"{name}={value!r}: {why}" for name, (value, default, why) in other.items() if value != default]
-        if plan.model.quant_backend == "gguf":
-            bad.append(f"model.quant_backend='gguf' ({plan.model.quant_method}): re-quantizes a GGUF file for the llama_cpp runtime; transformers quantizes with torchao, bitsandbytes or quanto")
-        if plan.model.kv_backend == "native":
-            bad.append("model.kv_backend='native': a llama.cpp / vLLM cache type; transformers quantizes its cache with quanto or hqq")
+        bad = refusals(REFUSALS, plan)  # fields other runtimes read (capabilities.py): at their defaults they mean what transformers does anyway
         if bad:
             return "; ".join(bad)
         if plan.scheduling.batching == "continuous":

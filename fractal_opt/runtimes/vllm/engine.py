@@ -25,7 +25,7 @@ from typing import Any
 
 from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
 from ...errors import EngineError
-from ...machine import Machine, resolve_device
+from ...machine import Machine
 from ...model_headers import safetensors_header
 from ...models import materialize, resolve
 from ...plan import Plan
@@ -63,12 +63,6 @@ class VllmEngine(Engine):
         """Why vLLM cannot serve ``plan``: one reason per field it cannot honour, or None."""
         reasons = refusals(plan)
         return "; ".join(reasons) if reasons else None
-
-    @classmethod
-    def takes_whole_device(cls, plan: Plan) -> bool:
-        """vLLM reserves a share of a GPU's memory for its KV cache when it starts (0.9 by default),
-        so two servers cannot share one GPU; on the CPU it allocates a fixed KV space instead."""
-        return resolve_device(plan.hardware.device) != "cpu"
 
     @classmethod
     def build(cls, plan: Plan, *, machine: Machine | None = None, progress: Callable[[str], None] = print, max_new_tokens: int | None = None) -> VllmEngine:

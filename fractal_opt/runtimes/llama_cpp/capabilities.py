@@ -1,0 +1,30 @@
+"""The llama_cpp runtime as the house reads it (:class:`~fractal_opt.engine.capabilities.Capabilities`)."""
+
+from __future__ import annotations
+
+from ...engine.capabilities import Capabilities, Idle
+
+__all__ = ["CAPABILITIES"]
+
+CAPABILITIES = Capabilities(
+    name="llama_cpp",
+    summary="llama.cpp's server on a GGUF file: xllamacpp in this process, or a llama-server child process (runtime_path)",
+    engine="fractal_opt.runtimes.llama_cpp:LlamaCppEngine",
+    refuses="fractal_opt.runtimes.llama_cpp.settings:REFUSALS",
+    weights="gguf",
+    options=frozenset({"path"}),
+    packages=("xllamacpp",),
+    # Continuous batching over slots: a request's logits depend on the batch it is decoded in.
+    batch_invariant=False,
+    # llama.cpp counts the physical cores itself when the plan sets no count (settings.server_settings
+    # states the same count); the threads pass's "already runs N threads" check does not assume it.
+    default_threads=None,
+    idle=Idle(threads="an idle server's worker threads, in this process (xllamacpp) or in its child", children="a llama-server when runtime_path is set",
+              memory="the loaded GGUF and the KV cache it allocated at load (n_ctx), of the one resident server",
+              pause="one server resident at a time: activate() before each timed round reloads the plan about to be measured",
+              evict="evict_except / clear_cache drop the resident server (it stops once no call uses it)"),
+    telemetry=("activate_s",),  # the reload before a round, kept apart from the round's own time
+    export_targets=("llama-server",),
+    evict="fractal_opt.runtimes.llama_cpp:evict_except",
+    clear="fractal_opt.runtimes.llama_cpp:clear_cache",
+)

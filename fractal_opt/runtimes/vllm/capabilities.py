@@ -1,0 +1,45 @@
+"""The vllm runtime as the house reads it (:class:`~fractal_opt.engine.capabilities.Capabilities`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...engine.capabilities import Capabilities, Idle
+from ...errors import FractalOptError
+
+__all__ = ["CAPABILITIES", "available"]
+
+
+def available(machine: Any) -> str | None:
+    """Why no vLLM can be reached from here (no running server, no executable found), or None. Looks at paths only."""
+    from .process import find_executable, find_url
+
+    if find_url(None):
+        return None
+    try:
+        find_executable(None)
+    except FractalOptError as e:
+        return str(e)
+    return None
+
+
+CAPABILITIES = Capabilities(
+    name="vllm",
+    summary="vLLM's OpenAI-compatible server as a child process in its own environment (or a running one)",
+    engine="fractal_opt.runtimes.vllm.engine:VllmEngine",
+    refuses="fractal_opt.runtimes.vllm.engine_args:REFUSALS",
+    maps="fractal_opt.runtimes.vllm.engine_args:FIELDS",
+    options=frozenset({"path", "url", "tensor_parallel", "pipeline_parallel"}),
+    available=available,
+    # vLLM reserves a share of a GPU's memory for its KV cache when it starts (0.9 by default), so
+    # two servers cannot share one GPU; on the CPU it allocates a fixed KV space instead.
+    whole_device="accelerator",
+    batch_invariant=False,  # continuous batching: a request's kernels depend on the batch it joins
+    idle=Idle(threads="none in this process (an HTTP client per call)", children="a `vllm serve` process per cached plan (at most two)",
+              memory="each server's weights and its KV-cache reservation, until it is stopped",
+              pause="nothing: an idle server waits on its socket",
+              evict="evict_except / clear_cache stop the servers of other plans"),
+    export_targets=("vllm",),
+    evict="fractal_opt.runtimes.vllm:evict_except",
+    clear="fractal_opt.runtimes.vllm:clear_cache",
+)
