@@ -74,6 +74,8 @@ def serve(args: argparse.Namespace) -> int:
     recipe = load_recipe(recipe_source(args.recipe))
     engine = Engine.from_recipe(recipe, progress=lambda m: print(m, file=sys.stderr))
     plan = engine.plan
+    if warning := _busier_than_run(args.recipe, plan):
+        print(f"fractal-opt: warning: {warning}", file=sys.stderr, flush=True)
     name = args.model_name or recipe.name or plan.source
     seed = args.seed if args.seed is not None else recipe.workload.seed
     fatal: list[str] = []
@@ -97,6 +99,28 @@ def serve(args: argparse.Namespace) -> int:
     if stopped:
         print(f"fractal-opt: serve stopped ({signal.Signals(stopped).name}).", file=sys.stderr)
     return 0
+
+
+def _busier_than_run(source: str, plan) -> str | None:
+    """The busy-machine warning (:func:`fractal_opt.measure.busier.busier_than_run`) when
+    ``source`` is a run folder whose trace.json recorded the load its calibration saw; the load
+    now is sampled for one second, this process and its server children left out."""
+    import json
+    from pathlib import Path
+
+    from ..measure.busier import busier_than_run
+    from ..measure.busy import snapshot
+    from ..pipeline.trace import Trace
+
+    path = Path(source) / "trace.json"
+    if not path.is_file():
+        return None
+    try:
+        trace = Trace.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # an unreadable trace says nothing about the load; the recipe itself loaded
+    threads = plan.hardware.threads if isinstance(plan.hardware.threads, int) else trace.ran_threads()
+    return busier_than_run(trace.calibration.get("busy"), snapshot(interval_s=1.0), threads=threads)
 
 
 def _limits(args: argparse.Namespace):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..measure.busier import measured_under
 from . import one_user
 
 __all__ = ["busy_warning", "calibration_lines", "final_one_user_lines", "measurement_lines", "one_user_lines"]
@@ -42,9 +43,11 @@ def busy_warning(calibration: dict[str, Any]) -> str | None:
     return text + advice
 
 
-def calibration_lines(calibration: dict[str, Any]) -> list[str]:
+def calibration_lines(calibration: dict[str, Any], *, threads: int | None = None) -> list[str]:
     """The busy-machine warning (first, in bold, when there is one), then one paragraph: the A/A
-    change of the main metrics with their 95% intervals, and the smallest change it can resolve."""
+    change of the main metrics with their 95% intervals, and the smallest change it can resolve;
+    then the load the numbers were measured under with the plan's ``threads``
+    (:func:`fractal_opt.measure.busier.measured_under`)."""
     if not calibration:
         return []
     out = []
@@ -68,7 +71,8 @@ def calibration_lines(calibration: dict[str, Any]) -> list[str]:
         if busy.get("busy"):
             tail += f", though other work was running at the start ({busy.get('text')})"
         tail += "."
-    return [*out, head + ", ".join(parts) + "." + tail, ""]
+    under = measured_under(calibration.get("busy"), threads=threads)
+    return [*out, head + ", ".join(parts) + "." + tail, "", *([under, ""] if under else [])]
 
 
 def measurement_lines(steps: list[Any]) -> list[str]:

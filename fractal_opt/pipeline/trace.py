@@ -254,7 +254,7 @@ class Trace:
         wl = self.recipe.get("workload", {})
         lines += [f"Workload: suite `{wl.get('suite')}`, {wl.get('max_new_tokens')} new tokens max, {wl.get('repeats')} repeats after {wl.get('warmup')} warm-up. "
                   "Numbers are medians; (±%) is the change against the previous kept plan; KL and agreement are against the baseline.", ""]
-        lines += calibration_lines(self.calibration)
+        lines += calibration_lines(self.calibration, threads=self.ran_threads())
         lines += ["| " + " | ".join(self.headers()) + " |", "|" + "---|" * len(self.headers())]
         for row in self.rows():
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
