@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import threading
@@ -71,15 +72,14 @@ def run_conversations(server: Server, conversations: Sequence[Conversation], pro
 def _user(server: Server, conv: Conversation, user: int, profile: LoadProfile, max_new_tokens: int, session: int | str | None, out: list[LoadRecord]) -> None:
     """One user's conversation, turn after turn, each record appended to ``out``."""
     rng = random.Random(profile.seed * 10_007 + user)  # think times differ per user, repeat per seed
+    if session is not None:  # the tagged first message stays in the history: later turns extend what was sent
+        first, answer = conv.turns[0]
+        conv = dataclasses.replace(conv, turns=((f"[session {session}, user {user + 1}] {first}", answer), *conv.turns[1:]))
     turns = conv.turns[: profile.turns] if profile.turns else conv.turns
     answers: list[str] = []
     for k in range(len(turns)):
-        messages = list(conv.messages(k, answers))
-        if session is not None and k == 0:
-            role, content = messages[-1]
-            messages[-1] = (role, f"[session {session}, user {user + 1}] {content}")
         rid = turn_id(conv.id, user, k + 1)
-        request = Request(id=rid, messages=tuple(messages))
+        request = Request(id=rid, messages=conv.messages(k, answers))
         try:
             ticket = server.submit(request, max_new_tokens=max_new_tokens, timeout_s=profile.timeout_s)
         except RequestRejected as e:

@@ -58,7 +58,7 @@ def test_reference_history_replays_the_recorded_answers_and_sessions_tag_first_m
         sent = _recording(server)
         run_conversations(server, [CONV], profile, max_new_tokens=2, session=3)
     assert [req.messages[-1][1] for req in sent] == ["[session 3, user 1] first question", "second question"]
-    assert ("assistant", "recorded one") in sent[1].messages
+    assert sent[1].messages[1:3] == (("user", "[session 3, user 1] first question"), ("assistant", "recorded one"))  # the history is what was sent
 
 
 def test_a_failed_turn_ends_its_users_conversation():

@@ -1,0 +1,182 @@
+"""Conversations like production: throughput, TTFT by turn and capacity under SLOs, per plan.
+
+The load is recipes/chat-conversations.yaml's: 8 users at once, each replaying a 4-turn
+conversation of the packaged ``conversations`` suite (one 280-token system prompt shared by all;
+each next prompt is the history with the model's own answer), 32-token greedy answers of fixed
+length (``ignore_eos``), each runtime's own prefix cache on where it has one.
+
+1. **Throughput and TTFT by turn**: every plan measured through the one measurement runner
+   (:class:`fractal_opt.measure.runner.Runner`), round by round, the order rotating each round;
+   throughput is the median over rounds of output tokens / round wall time, TTFT by turn the median
+   over every round's turns at that index (TTFT as a streaming user sees it, queueing included).
+2. **Capacity**: for the tuned llama.cpp plan and the best transformers plan, the bracketing search
+   of :mod:`fractal_opt.measure.capacity` over users (from 8, doubling while the SLOs hold, then
+   bisecting to 10%), SLOs as recipes/cpu-serving.yaml states them: TTFT p90 <= 4 s and time per
+   output token p90 <= 1 s, under 1% failed.
+
+Plans: transformers one request at a time (the Plan defaults); transformers continuous batching
+with 8 in flight and its prefix sharing (``allow_block_sharing``); llama.cpp with continuous
+batching, 8 slots, threads auto, flash attention and its prompt cache, on the GGUF re-quantized
+to Q8_0, through the wheel and through the native llama-server build when ``make
+setup-llama-native`` built it; the best of these by throughput is "the tuned llama.cpp plan"; and
+that plan without its prompt cache, for the cache's share. ``ratio`` is the tuned llama.cpp plan's
+throughput over the best transformers plan's.
+
+    python benchmarks/goodput.py --json          # one JSON object: capacity, ratio, ttft_by_turn (+ details)
+    python benchmarks/goodput.py --quick --json  # 1 round, 2 turns, no capacity search: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RATIO_TARGET = 3.0  # tuned llama.cpp / best transformers under the conversation load
+SLOS = {"slo_ttft_ms": 4000.0, "slo_tpot_ms": 1000.0}  # recipes/cpu-serving.yaml's TTFT p90 and ITL p90 limits
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def plans() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(transformers plans, llama.cpp candidates with the prompt cache), by label."""
+    from fractal_opt.plan import Plan
+    from fractal_opt.runtimes.llama_cpp.process import NATIVE, executable_problem
+
+    base = Plan(source="smollm2-135m-instruct")
+    continuous = {"batching": "continuous", "max_concurrency": 8, "prefix_cache": True}
+    tf = {"transformers one at a time": base, "transformers continuous, prefix sharing": base.replace_section("scheduling", **continuous)}
+    llama = base.replace_section("hardware", runtime="llama_cpp", threads="auto", flash_attention="on").replace_section("scheduling", **continuous)
+    q8 = {"weight_bits": 8, "quant_backend": "gguf", "quant_method": "q8_0", "quant_skip": ("lm_head",)}
+    # The GGUF re-quantized to Q8_0: this llama.cpp prefills Q8_0 faster than the embedded Q4_1
+    # (docs/runtimes.md), and a conversation is mostly prefill (a smoke run here: 4.6 vs 2.6 tok/s).
+    candidates = {"llama_cpp wheel, Q8_0, flash attn, prompt cache": llama.replace_section("model", **q8)}
+    if executable_problem(NATIVE) is None:
+        candidates["llama_cpp native, Q8_0, flash attn, prompt cache"] = llama.replace_section("hardware", runtime_path=NATIVE).replace_section("model", **q8)
+    else:
+        log(f"no native llama-server candidate: {executable_problem(NATIVE)}")
+    return tf, candidates
+
+
+def interleaved(engines: dict[str, Any], workload: Any) -> dict[str, Any]:
+    """Every engine measured round by round, the order rotating each round."""
+    from fractal_opt.measure.runner import Runner
+
+    runners = {name: Runner(engine, workload, workload.requests()) for name, engine in engines.items()}
+    for name, runner in runners.items():
+        log(f"warm-up: {name}")
+        runner.warm_up()
+    names = list(runners)
+    for r in range(workload.repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            runners[name].round()
+            log(f"round {r + 1}/{workload.repeats} {name}: {time.perf_counter() - t0:.1f} s, "
+                f"{runners[name].repeats[-1]['throughput_tokens_per_s']:.1f} tok/s")
+    return {name: runner.result() for name, runner in runners.items()}
+
+
+def capacity(engine: Any, workload: Any) -> dict[str, Any]:
+    """The plan's capacity in users under SLOS (each probe a fresh server, new users)."""
+    from fractal_opt.measure.capacity import CapacitySearch
+    from fractal_opt.measure.conversation_load import run_conversations
+
+    profile = dataclasses.replace(workload.load_profile(), capacity=True, capacity_max=64.0, **SLOS)
+    conversations = workload.conversations()
+    count = [0]
+
+    def probe(p: Any) -> Any:
+        count[0] += 1
+        engine.activate()
+        t0 = time.perf_counter()
+        with engine.server(seed=workload.seed, ignore_eos=p.ignore_eos) as server:
+            result = run_conversations(server, conversations, p, max_new_tokens=workload.max_new_tokens, session=f"capacity.{count[0]}")
+        log(f"  probe {p.users} users: {time.perf_counter() - t0:.1f} s, ttft p90 {result.summary()['ttft_ms_p90']} ms")
+        return result
+
+    answer = CapacitySearch(profile, run=probe).run()
+    for p in answer["probes"]:
+        p.pop("throughput_tokens_per_s", None)
+    return answer
+
+
+def ttft_by_turn(m: Any) -> list[float | None]:
+    return [row["ttft_ms_p50"] for row in m.extra["load"]["by_turn"]]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per plan (after one warm-up)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 2 turns, no capacity search")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout (the log goes to stderr)")
+    args = parser.parse_args()
+    load_start = os.getloadavg()
+    from fractal_opt.machine import Machine
+    from fractal_opt.recipe import load_recipe
+    from fractal_opt.runtimes import build, clear_cache
+
+    wl = load_recipe(ROOT / "recipes" / "chat-conversations.yaml").workload
+    load = {**wl.load, **({"turns": 2} if args.quick else {})}
+    wl = dataclasses.replace(wl, repeats=1 if args.quick else args.rounds, max_repeats=None, load=load)
+    machine = Machine.probe()
+    tf, candidates = plans()
+    engines = {name: build(plan, machine=machine, progress=log, max_new_tokens=wl.max_new_tokens) for name, plan in {**tf, **candidates}.items()}
+    try:
+        measured = interleaved(engines, wl)
+        tput = {name: m.median("throughput_tokens_per_s") for name, m in measured.items()}
+        tuned = max(candidates, key=lambda n: tput[n] or 0.0)
+        best_tf = max(tf, key=lambda n: tput[n] or 0.0)
+        for name in list(engines):
+            if name not in (tuned, best_tf):
+                engines.pop(name).close()
+        clear_cache()
+        off = f"{tuned}, prompt cache off"  # the same plan without its cache: the cache's share
+        engines[off] = build(candidates[tuned].replace_section("scheduling", prefix_cache=False), machine=machine, progress=log, max_new_tokens=wl.max_new_tokens)
+        measured[off] = interleaved({off: engines[off]}, wl)[off]
+        tput[off] = measured[off].median("throughput_tokens_per_s")
+        engines.pop(off).close()
+        caps = {} if args.quick else {name: capacity(engines[name], wl) for name in (tuned, best_tf)}
+    finally:
+        for engine in engines.values():
+            engine.close()
+    ratio = tput[tuned] / tput[best_tf] if tput[tuned] and tput[best_tf] else None
+    out = {
+        "capacity": {name: {k: c[k] for k in ("capacity", "interval", "status", "unit", "answer", "probes")} for name, c in caps.items()},
+        "ratio": None if ratio is None else round(ratio, 2),
+        "ttft_by_turn": {name: ttft_by_turn(m) for name, m in measured.items()},
+        "throughput_tokens_per_s": {name: None if v is None else round(v, 1) for name, v in tput.items()},
+        "cached_tokens_by_turn": {name: [row["cached_tokens_p50"] for row in m.extra["load"]["by_turn"]] for name, m in measured.items()},
+        "cpu_s_per_1k_tokens": {name: _r(m.median("cpu_s_per_1k_tokens")) for name, m in measured.items()},
+        "tuned_llama_cpp": tuned, "best_transformers": best_tf,
+        "load": {k: v for k, v in wl.load.items()}, "max_new_tokens": wl.max_new_tokens, "rounds": wl.repeats,
+        "machine": f"{machine.cpu}, {machine.physical_cores} physical cores", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
+        "targets": {"ratio >= 3": ratio is not None and ratio >= RATIO_TARGET,
+                    "tuned turn-4 TTFT < turn-1 TTFT": _turn4_faster(ttft_by_turn(measured[tuned]))},
+    }
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+def _turn4_faster(turns: list[float | None]) -> bool | None:
+    if len(turns) < 4 or turns[0] is None or turns[3] is None:
+        return None
+    return turns[3] < turns[0]
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
