@@ -68,6 +68,16 @@ def test_passes_says_which_runtimes_run_here(capsys, monkeypatch, tmp_path):
     assert "vllm          not here: the vllm runtime found no vLLM" in out and "setup-vllm" in out
 
 
+def test_passes_json_carries_each_runtime_s_capabilities(capsys):
+    """`fractal-opt passes --json` gives, under the runtime pass, each runtime's table: llama.cpp serves GGUF and exports to llama-server, vLLM takes a whole GPU."""
+    assert main(["passes", "--json"]) == 0
+    (runtime,) = [e for e in json.loads(capsys.readouterr().out) if e["name"] == "runtime"]
+    caps = runtime["capabilities"]
+    assert caps["llama_cpp"]["weights"] == "gguf" and caps["llama_cpp"]["export_targets"] == ["llama-server"]
+    assert caps["vllm"]["whole_device"] == "accelerator" and "hardware.attention" in caps["vllm"]["refuses"]
+    assert set(caps) == set(runtime["runtimes"])
+
+
 def test_run_writes_results(tiny_dir, small_recipe, tmp_path, capsys):
     """`fractal-opt run RECIPE --out DIR --quiet` returns 0 and writes trace.json, report.md and recipe.yaml."""
     recipe = small_recipe(tiny_dir, limit=2, max_new_tokens=4, repeats=1, warmup=0, passes={"application": [{"max_new_tokens": {"limit": 2}}]})

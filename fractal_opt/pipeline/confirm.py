@@ -117,14 +117,12 @@ def confirm(
 
 def _alone(build: Callable[[Plan], Engine], plan: Plan, steps: StepMeasurer, progress: Callable[[str], None]) -> Measurement:
     """Build ``plan``, measure it on its own, and release it (so the next plan has the memory)."""
-    from .. import runtimes
-
     engine = build(plan)
     try:
         return measure(engine, steps.workload, requests=steps.requests, progress=progress)
     finally:
         engine.close()
-        runtimes.clear_cache()
+        steps.runtimes.clear_cache()
 
 
 def record(

@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import runtimes
 from ..engine.protocol import Engine
+from ..engine.registry import RUNTIMES, Runtimes
 from ..machine import Machine, resolve_device
 from ..measure.budget import load_config, shape_from_config
 from ..measure.busy import BusySnapshot, snapshot, wait_quiet
@@ -92,15 +92,20 @@ class StepMeasurer:
     """Measurement for the pipeline: calibration, per-step comparison and roofline numbers."""
 
     def __init__(self, *, machine: Machine, workload: Workload, requests: Sequence[Request], min_effect: float,
-                 limits: Any = None, progress: Callable[[str], None] = lambda m: None, build: Callable[..., Engine] | None = None,
+                 limits: Any = None, progress: Callable[[str], None] = lambda m: None, runtimes: Runtimes | None = None,
+                 build: Callable[..., Engine] | None = None,
                  note: Callable[[str], None] | None = None, wait_quiet_s: float = 0.0, reprobe: bool = False,
                  busy: Callable[[], BusySnapshot] | None = None):
         """``note`` prints a line that stays on the terminal (default: ``progress``); ``wait_quiet_s``:
         before calibrating, wait up to this long for other processes to leave the CPU (0 = no wait);
         ``reprobe``: the ceilings were probed for this run, so a step's share above 100% re-measures them (once per run);
-        ``busy`` takes the load snapshot (tests; default :func:`fractal_opt.measure.busy.snapshot`)."""
+        ``busy`` takes the load snapshot (tests; default :func:`fractal_opt.measure.busy.snapshot`);
+        ``runtimes``: the registry asked whether a plan takes the whole device and told what to
+        evict (default: the process's); ``build``: ``build(plan, *, machine, progress,
+        max_new_tokens) -> Engine`` (default ``runtimes.build``; tests: a fake)."""
         self.machine = machine
-        self.build = build or runtimes.build  # build(plan, *, machine, progress, max_new_tokens) -> Engine (tests: a fake)
+        self.runtimes = runtimes or RUNTIMES
+        self.build = build or self.runtimes.build
         self.workload = workload
         self.requests = list(requests)
         self.min_effect = min_effect
@@ -134,7 +139,7 @@ class StepMeasurer:
                          capacity_bytes=self.machine.device_memory_bytes(device))
 
     def _fits_side_by_side(self, candidate: Plan, previous: Plan) -> bool:
-        if runtimes.takes_whole_device(candidate) or runtimes.takes_whole_device(previous):
+        if self.runtimes.takes_whole_device(candidate) or self.runtimes.takes_whole_device(previous):
             return False  # a server that reserves the device (vLLM on a GPU) cannot start beside another model
         _, cand = self.preflight(candidate)
         if "weight_bytes" not in cand or not cand["capacity_bytes"]:
@@ -211,7 +216,7 @@ class StepMeasurer:
         if self.previous is not None:
             self.previous.close()
             self.previous = None
-            runtimes.clear_cache()
+            self.runtimes.clear_cache()
         return "back_to_back"
 
     def compare(self, candidate: Engine, current: Measurement, *, mode: str, objective: str, label: str) -> Comparison:
@@ -249,7 +254,7 @@ class StepMeasurer:
         assert self.previous is not None
         self.previous.close()
         self.previous = None
-        runtimes.evict_except({candidate.plan.weights_key()})
+        self.runtimes.evict_except({candidate.plan.weights_key()})
         gc.collect()
         if candidate.device.startswith("cuda"):
             import torch
@@ -280,15 +285,15 @@ class StepMeasurer:
                 self.previous.close()
             self.previous = candidate
             self.previous_solo_peak_mb = self.candidate_own_peak_mb
-            runtimes.evict_except({candidate.plan.weights_key()})
+            self.runtimes.evict_except({candidate.plan.weights_key()})
             return
         candidate.close()
-        runtimes.evict_except({plan.weights_key()})
+        self.runtimes.evict_except({plan.weights_key()})
         if mode == "interleaved":  # (reloaded from disk when the solo round released it)
             self.previous = self.build(plan, machine=self.machine, progress=self.say, max_new_tokens=self.workload.max_new_tokens)
         else:
             self.previous = None
-            runtimes.clear_cache()
+            self.runtimes.clear_cache()
 
     # ------------------------------------------------------------------ roofline
     def roofline(self, engine: Engine, m: Measurement) -> dict[str, Any]:

@@ -293,7 +293,7 @@ def test_a_malformed_journal_line_refuses_to_resume_naming_it(finished_run, name
     line, text, expected = CORRUPTIONS[name]
     journal = _corrupt(out, line, text(out))
     (out / "recipe-in.yaml").write_text(yaml.safe_dump(recipe), encoding="utf-8")
-    monkeypatch.setattr(fractal_opt.runtimes, "build", _no_build)
+    monkeypatch.setattr(fractal_opt.runtimes.RUNTIMES, "build", _no_build)
     assert main(["run", str(out / "recipe-in.yaml"), "--out", str(out), "--resume", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"{JOURNAL} line {line} " in err and expected in err and "Traceback" not in err, err
@@ -328,3 +328,26 @@ def test_differences_name_each_changed_field():
     old = {"machine": {"cpu": "a", "packages": {"torch": "2.1"}}, "recipe": {"model": "m"}}
     new = {"machine": {"cpu": "a", "packages": {"torch": "2.2"}}, "recipe": {"model": "m", "name": "x"}}
     assert differences(old, new) == ["machine: packages.torch 2.1 -> 2.2", "recipe: name <none> -> x"]
+
+
+def test_resuming_rebuilds_the_same_kept_state_from_the_journal(tmp_path, monkeypatch):
+    """The kept state (plan, measurement, quality, census) after a finished run equals the one a
+    resume rebuilds from the journal without measuring: the value the next step would start from."""
+    from fractal_opt.measure import busy
+    from fractal_opt.pipeline import step_measurement
+
+    monkeypatch.setattr(step_measurement, "snapshot", lambda: busy.snapshot(0.01))  # the load reading waits 1 s by default
+    recipe = small_recipe_dict(fake_model(tmp_path / "model"), limit=1, max_new_tokens=4, repeats=2, max_repeats=2, warmup=0,
+                               passes={"hardware": [{"dtype": {"dtype": "bfloat16"}}], "model": [{"kv_cache": {"implementation": "off"}}]})
+    first = _fake_pipeline(recipe, tmp_path / "out")
+    first.run()
+
+    def refuse_to_build(*a, **k):
+        raise AssertionError("a resumed finished run builds nothing")
+
+    again = _fake_pipeline(recipe, tmp_path / "out", resume=True, build=refuse_to_build)
+    again.run()
+    assert [s.status for s in again._trace.steps] == [s.status for s in first._trace.steps] == ["kept", "rolled_back"]
+    a, b = first.kept, again.kept
+    assert (b.plan, b.measurement, dict(b.census)) == (a.plan, a.measurement, dict(a.census)) and b.plan.hardware.dtype == "bfloat16"
+    assert json.dumps(dict(b.quality), sort_keys=True, default=str) == json.dumps(dict(a.quality), sort_keys=True, default=str)

@@ -1,0 +1,48 @@
+"""What a run produces: :class:`Result` in Python, and the run folder's files after every step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..plan import Plan
+from ..recipe import Recipe, dump_recipe
+from .outputs import write_outputs
+from .trace import Trace
+
+__all__ = ["Result", "write_run"]
+
+
+@dataclass
+class Result:
+    """What a run produced: the final plan, the trace, and the tuned recipe."""
+
+    plan: Plan
+    trace: Trace
+    recipe: Recipe
+    out_dir: Path | None = None
+
+    def _repr_html_(self) -> str:
+        """In a notebook: the same content as report.html."""
+        return self.trace._repr_html_()
+
+    def __repr__(self) -> str:
+        where = f"\n  results in {self.out_dir} (report.html, report.md, trace.json, recipe.yaml)" if self.out_dir else ""
+        plan, trace = (repr(x).replace("\n", "\n    ") for x in (self.plan, self.trace))  # their own lines, indented under them
+        return f"Result(\n  plan: {plan}\n  trace: {trace}{where}\n)"
+
+
+def write_run(out_dir: Path, recipe: Recipe, trace: Trace) -> None:
+    """trace.json, report.md, report.html and the tuned recipe.yaml of the run so far, each whole
+    after a kill at any moment: staged, fsynced, renamed (:mod:`.outputs`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header = (
+        f"# Tuned by fractal_opt from {recipe.name or recipe.model}: the kept passes only.\n"
+        "# Load it in an app with fractal_opt.Engine.from_recipe(\"recipe.yaml\").\n"
+    )
+    write_outputs(out_dir, {
+        "trace.json": trace.to_json(),
+        "report.md": trace.to_markdown(),
+        "report.html": trace.to_html(),  # the same run as pictures
+        "recipe.yaml": dump_recipe(trace.to_recipe(), header=header),
+    })

@@ -1,0 +1,154 @@
+"""One step of a run: skip it, or build, measure and judge the candidate against the kept state.
+
+:func:`attempt` is a function of the kept state (:class:`~.resume.Kept`) and returns the next one
+with the verdict's outcome: the runner's state changes only by what a step returns, so a step
+that had to be abandoned past its deadline changes nothing. What a step needs from its run (the
+recipe, the measurer, the builder, the quality scorer, the failure recorder) comes in a
+:class:`StepEnv`; the step itself is recorded in the :class:`~.trace.Step` it fills.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.protocol import Engine
+from ..machine import Machine
+from ..measure.metrics import Measurement
+from ..passes import Pass
+from ..plan import Plan
+from ..quality.probes import agreement_between
+from ..recipe import Recipe
+from . import records
+from .deadline import StepTimeout, abandoned, checkpoint
+from .gate import skip_reason
+from .resume import Kept
+from .step_measurement import Comparison, StepMeasurer
+from .trace import Step
+
+__all__ = ["StepEnv", "attempt"]
+
+
+@dataclass(frozen=True)
+class StepEnv:
+    """What a step needs from its run."""
+
+    recipe: Recipe
+    machine: Machine
+    measurer: StepMeasurer
+    baseline: Step
+    build: Callable[[Plan], tuple[Engine, dict[str, float]]]  # build, then prepare: the engine and its timings
+    refuse: Callable[[Plan], str | None]
+    quality: Callable[[Engine, Measurement, str], dict[str, Any]]
+    metrics: Callable[[Measurement, dict[str, Any]], dict[str, Any]]
+    progress: Callable[[str], None]
+    enter: Callable[[str], None]  # the step moves on to a stage (named if it fails); a step past its deadline stops there
+    stage: Callable[[], str]  # the stage it is in
+    fail: Callable[[Step, str, BaseException, str], None]  # record a failure (step, label, error, stage)
+    before_build: Callable[[], None]  # resuming: the reference scored again, once, before the first step measured here
+    clip: Callable[[str, int], str]
+
+
+def attempt(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, kept: Kept) -> tuple[str, Kept]:
+    """Skip the step, or build, measure and judge it. Every stage (check, apply, pre-flight,
+    build, measure, quality, judge) is inside the failure handling: a failed step is recorded,
+    its candidate released as a rollback would, and the run goes on. Returns the verdict's outcome
+    ("" when the step was not judged) and the kept state after it."""
+    assert kept.measurement is not None
+    steps, engine, mode = env.measurer, None, ""
+    try:
+        env.enter("check")
+        if (reason := skip_reason(p, kept.plan, env.machine, refuse=env.refuse)) is not None:
+            checkpoint()  # past its deadline, a worker writes nothing (here and below)
+            _skip(env, step, label, reason)
+            return "", kept
+        env.enter("apply")
+        candidate = p.apply(kept.plan).with_applied(p.name)
+        env.enter("pre-flight")
+        refused, numbers = steps.preflight(candidate)
+        if refused:
+            checkpoint()
+            step.metrics = {"preflight": numbers}
+            _skip(env, step, label, refused)
+            return "", kept
+        env.enter("reference")
+        env.before_build()
+        env.enter("build")
+        mode = steps.before_build(candidate, kept.plan)
+        env.progress(f"{label}: building")
+        engine, timings = env.build(candidate)
+        checkpoint()
+        step.timings.update(timings)
+        step.census = engine.census()
+        env.enter("measure")
+        t0 = time.perf_counter()
+        cmp = steps.compare(engine, kept.measurement, mode=mode, objective=env.recipe.policy.objective_for(p.layer), label=label)
+        checkpoint()  # a worker past its deadline leaves the kept state alone
+        kept = dataclasses.replace(kept, measurement=cmp.before)  # the previous plan, measured afresh beside the candidate
+        step.timings.update(warmup_s=round(cmp.after.warmup_s, 2), measure_s=round(time.perf_counter() - t0, 2))
+        env.enter("quality")
+        quality = env.quality(engine, cmp.after, label)
+        if "path_agreement" in {g.metric for g in env.recipe.policy.guards_for(p.layer)} and not candidate.application.do_sample:
+            # Path equivalence: with greedy decoding a serving path must not change a token.
+            quality.update(path_agreement=agreement_between(cmp.before.outputs, cmp.after.outputs))
+        env.enter("judge")
+        return _judge(env, p, ramp, step, label, kept, candidate, engine, cmp, quality, mode)
+    except (Exception, SystemExit, StepTimeout) as e:  # noqa: BLE001 - a failing step is recorded and rolled back; the run goes on
+        if abandoned():
+            return "", kept  # the runner recorded this step's timeout and went on: touch nothing
+        stage = records.gate_stage(e, p) if env.stage() == "check" else env.stage()
+        env.fail(step, label, e, stage)
+        _release(steps, engine, kept.plan, mode)
+        return "", kept
+
+
+def _judge(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, kept: Kept, candidate: Plan, engine: Engine, cmp: Comparison,
+           quality: dict[str, Any], mode: str) -> tuple[str, Kept]:
+    """Judge a measured step against the kept plan; keep it or roll it back."""
+    after = cmp.after
+    step.metrics = env.metrics(after, quality)
+    step.metrics["weight_mb"] = round(step.census["weight_bytes"] / 2**20, 1)
+    step.metrics.update(intervals=cmp.intervals, comparison=cmp.info, roofline=env.measurer.roofline(engine, after))
+    if cmp.info.get("mode") == "interleaved":  # the previous plan in the same rounds (one_user reads it); back to back it is an older measurement
+        step.metrics["previous"] = cmp.before.summary()
+    before_values = {**env.metrics(cmp.before, dict(kept.quality)), "weight_mb": kept.weight_mb, **kept.quality}
+    changes = cmp.changes
+    if kept.weight_mb:  # a census number: exact, so no noise band
+        changes = {**changes, "weight_mb": step.metrics["weight_mb"] / kept.weight_mb - 1}
+    base = env.baseline.metrics
+    baseline_values = {**{k: v for k, v in base.items() if k != "quality"}, **base["quality"]}
+    verdict = env.recipe.policy.judge(p.layer, before_values, {**step.metrics, **quality}, changes, cmp.bands, baseline=baseline_values,
+                                      intervals=cmp.intervals)
+    step.changes, step.bands = verdict.changes, verdict.bands
+    step.metrics["guards"] = verdict.guards  # the guards in force, for the report
+    step.plan = candidate.to_dict()
+    keep, step.reason = verdict.kept, verdict.reason
+    if ramp is not None and (note := ramp.holds(verdict.outcome)):
+        keep, step.reason = True, f"holds, {step.reason}; {note}"
+    step.status = "kept" if keep else "rolled_back"
+    step.reason += records.startup_note(step.timings)  # a start-up cost the numbers exclude: shown where the verdict is read
+    env.progress(f"{label}: {step.status.replace('_', ' ')} ({env.clip(step.reason, 160)})")
+    checkpoint()  # a worker past its deadline leaves the engines and the kept state alone
+    env.measurer.after_verdict(keep, engine, candidate if keep else kept.plan, mode)
+    if keep:
+        kept = Kept(plan=candidate, measurement=after, quality=quality, census=step.census)
+    return verdict.outcome, kept
+
+
+def _skip(env: StepEnv, step: Step, label: str, reason: str) -> None:
+    step.status, step.reason = "skipped", reason
+    env.progress(f"{label}: skipped ({reason.removeprefix('check: ')})")
+
+
+def _release(steps: StepMeasurer, engine: Engine | None, plan: Plan, mode: str) -> None:
+    """After a failed step: close its candidate as a rollback would (best effort: when this fails
+    too, the next step loads the kept plan again)."""
+    if engine is None or engine is steps.previous:
+        return
+    try:
+        steps.after_verdict(False, engine, plan, mode)
+    except (Exception, StepTimeout):  # noqa: BLE001 - the step has failed already; this is clean-up
+        steps.previous = None

@@ -1,0 +1,84 @@
+"""A step's quality numbers: model-level probes against the baseline's reference, agreement with
+the baseline's greedy answers, the eval set, the recipe's custom probes.
+
+Model-level probes (KL, flips, perplexity) are computed once per ``Plan.numerics_key()``: a pass
+that cannot change next-token distributions (scheduling, decoding) reuses them. The eval set and
+the custom probes run on every step. The eval set and the probes are loaded when this is made, so
+a bad eval set or probe fails before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..engine.protocol import Engine
+from ..measure.metrics import Measurement
+from ..quality.evals import eval_set_name, load_eval_set, score
+from ..quality.probes import agreement, build_reference, model_probes
+from ..recipe import Recipe
+from ..workload import Request
+
+__all__ = ["StepQuality"]
+
+
+class StepQuality:
+    """Quality against the baseline for one run (its reference is scored on the baseline's engine)."""
+
+    def __init__(self, recipe: Recipe, *, progress: Callable[[str], None]):
+        self.config = recipe.quality
+        self.progress = progress
+        eval_set = eval_set_name(recipe.quality.eval, recipe.model)  # "auto": basics for an embedded model
+        self.eval_items = load_eval_set(eval_set) if eval_set else []
+        self.probes = recipe.quality.load_probes()
+        self.reference: Any = None  # the baseline's reference logits and outputs
+        self.reference_outputs: dict[str, list[int]] | None = None  # a resumed baseline's outputs, until the reference is scored again
+        self._model_probes: dict[tuple, dict[str, float]] = {}  # by Plan.numerics_key()
+
+    def score_reference(self, engine: Engine, outputs: dict[str, list[int]] | None = None) -> None:
+        """Score the reference text on the baseline's ``engine`` (``outputs``: its greedy answers, when known)."""
+        self.reference = build_reference(engine, {}, self.config)
+        if outputs is not None:
+            self.reference.outputs = outputs
+
+    def needs_reference(self) -> bool:
+        """Resuming: the baseline came from the journal, and its reference logits must be scored again."""
+        return self.reference is None and self.reference_outputs is not None
+
+    def score(self, engine: Engine, m: Measurement, label: str, *, requests: Sequence[Request], baseline_eval: Any = None,
+              is_baseline: bool = False) -> dict[str, Any]:
+        """The quality of ``engine`` (its measurement ``m``) against the baseline."""
+        key = engine.plan.numerics_key()
+        if key not in self._model_probes:
+            self.progress(f"{label}: KL / perplexity on the reference text")
+            self._model_probes[key] = model_probes(self.reference, engine)
+        out: dict[str, Any] = {**self._model_probes[key], **agreement(self.reference, m.outputs, cap=engine.plan.application.max_new_tokens)}
+        out.update(_answers(engine, m.outputs))  # the side-by-side answers (report_answers.py)
+        if is_baseline:
+            out["prompts"] = {r.id: r.messages[-1][1] for r in requests}
+        if self.eval_items:
+            self.progress(f"{label}: eval set ({len(self.eval_items)} questions)")
+            out.update(score(engine, self.eval_items, max_new_tokens=self.config.eval_max_new_tokens, baseline=None if is_baseline else baseline_eval))
+        out.update(self._custom(engine))
+        return out
+
+    def _custom(self, engine: Engine) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, probe in self.probes.items():
+            try:
+                values = probe(engine)
+            except (Exception, SystemExit) as e:  # named here: the traceback alone points at the user's module
+                code = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
+                raise RuntimeError(f"custom probe {name!r} {code}") from e
+            if not isinstance(values, dict):
+                raise TypeError(f"custom probe {name!r} must return a dict of named numbers, got {type(values).__name__}")
+            out.update({f"{name}.{k}": float(v) for k, v in values.items()})
+        return out
+
+
+def _answers(engine: Engine, outputs: dict[str, list[int]]) -> dict[str, Any]:
+    """The workload's greedy answers as text, for the reports; none from an engine that cannot decode ids."""
+    try:
+        return {"answers": {rid: engine.decode(ids) for rid, ids in outputs.items()}}
+    except NotImplementedError:
+        return {}
