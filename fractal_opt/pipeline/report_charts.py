@@ -12,6 +12,7 @@ from typing import Any
 from ..passes import Layer
 from ..policy import QUALITY_METRICS, Guard, Policy
 from ..text import clip as _clip
+from ..text import fmt
 from .report_parts import STATUS_TEXT, Step, Trace, cell, label, layer_of, objective_of, pct
 from .report_svg import COLOURS, Bar, Svg, data_attrs, esc, fmt_num, hbar_chart, is_num, nice_max, range_chart
 
@@ -27,7 +28,7 @@ def legend() -> str:
 
 def tower(steps: list[tuple[str, Step]], policy: Policy) -> str:
     """A stack of boxes, baseline at the bottom; each box: layer, pass, verdict, objective change."""
-    row_h, width = 30, 940
+    row_h, width = 30, 1320  # the page's width: a skipped step's reason has the room right of its label
     svg = Svg(width, len(steps) * row_h + 10, title="the tower of steps, coloured by verdict")
     for n, (idx, s) in enumerate(reversed(steps)):
         y = 5 + n * row_h
@@ -36,14 +37,18 @@ def tower(steps: list[tuple[str, Step]], policy: Policy) -> str:
                  extra=f' data-step="{idx}" data-status="{esc(s.status)}"')
         svg.rect(110, y, 6, row_h - 4, fill=colour)
         svg.text(100, y + 18, s.layer if s.status != "baseline" else "", anchor="end", size=11, fill="#555")
-        svg.text(124, y + 18, _clip(label(s), 56), weight="bold", tip=label(s))
+        shown = _clip(label(s), 64)
+        svg.text(124, y + 18, shown, weight="bold", tip=label(s))
         objective = objective_of(policy, s) if s.status != "baseline" else None
         change = s.changes.get(objective) if objective else None
         detail = esc(STATUS_TEXT.get(s.status, s.status))
         if is_num(change):
             detail += f" · {esc(objective)} <tspan{data_attrs(idx, f'changes.{objective}', change)}>{change:+.1%}</tspan>"
         elif s.status in ("skipped", "failed"):
-            detail += f" · {esc(_clip(s.reason.removeprefix('check: '), 48))}"
+            reason = s.reason.removeprefix("check: ")
+            # the characters between the label and the right edge: bold 12 px ~7.5 px a character, 11 px ~6 px, 24 px apart
+            room = max(24, int((width - 16 - 124 - 7.5 * len(shown) - 24) / 6.0) - len(detail) - 3)
+            detail += f" · {esc(_clip(reason, room))}" + (f"<title>{esc(reason)}</title>" if len(reason) > room else "")
         svg.add(f'<text x="{width - 16}" y="{y + 18}" text-anchor="end" font-size="11" fill="#222">{detail}</text>')
     return svg.render()
 
@@ -57,20 +62,19 @@ def waterfalls(trace: Trace, steps: list[tuple[str, Step]], policy: Policy) -> l
     """
     if not trace.baseline:
         return []
-    base = trace.baseline.metrics
-    final = (trace.final or {}).get("metrics") or {}
     out: list[str] = []
     layers = [lay for lay in Layer if any(s.layer == lay.section and s.metrics for _, s in steps[1:])]
     if not layers:
         return []
     out += ["<h2>Objective per layer</h2>", ('<p class="note">Each layer is judged on its own objective. From the baseline, through every measured '
             "step of the layer (solid: kept, hollow: rolled back; the grey band is the step's noise band), to the final plan. Later layers can "
-            "move a layer's objective too (the last bar). The baseline bar is the A/A calibration's measurement and the last bar the final plan's "
-            "in its last step; each step's bar is from its own comparison, so the bars need not join on a noisy machine (the final plan "
-            "against the baseline, measured again, is under Final plan).</p>")]
+            "move a layer's objective too (the last bar). The first and last bars are the baseline and the final plan as the final "
+            "confirmation measured them, the numbers under Final plan (before a confirmation: the baseline's calibration and the final "
+            "plan's last step); each step's bar is from its own comparison, so the bars need not join on a noisy machine.</p>")]
     for layer in layers:
         objective = policy.objective_for(layer)
-        cols: list[dict[str, Any]] = [{"label": "baseline", "kind": "total", "value": base.get(objective), "step": "0", "path": f"metrics.{objective}"}]
+        first, last = _totals(trace, objective)
+        cols: list[dict[str, Any]] = [first]
         for idx, s in steps[1:]:
             if s.layer != layer.section or not s.metrics:
                 continue
@@ -78,10 +82,23 @@ def waterfalls(trace: Trace, steps: list[tuple[str, Step]], policy: Policy) -> l
             before = after / (1 + change) if is_num(after) and is_num(change) and change != -1 else None
             cols.append({"label": label(s), "kind": "step", "before": before, "value": after, "status": s.status, "step": idx, "path": f"metrics.{objective}",
                          "band": s.bands.get(objective), "change": change})
-        cols.append({"label": "final plan", "kind": "total", "value": final.get(objective), "step": "final", "path": f"metrics.{objective}"})
-        out.append(f"<h3>{esc(layer.section)}: {esc(objective)}</h3>")
-        out.append(_waterfall(cols, objective))
-    return out
+        cols.append(last)
+        out.append(f'<div class="fig"><h3>{esc(layer.section)}: {esc(objective)}</h3>{_waterfall(cols, objective)}</div>')
+    return [*out[:2], '<div class="figs">', *out[2:], "</div>"]
+
+
+def _totals(trace: Trace, objective: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The waterfall's baseline and final-plan bars: the confirmation's medians of ``objective``
+    when it measured them (the page's one final number, the cards' too), else the baseline's own
+    measurement and the final plan's last step."""
+    final = trace.final or {}
+    conf = ((final.get("confirmation") or {}).get("metrics") or {}).get(objective) or {}
+    if final.get("status") in ("confirmed", "not_confirmed") and is_num(conf.get("final_median")) and is_num(conf.get("baseline_median")):
+        path = f"confirmation.metrics.{objective}"
+        return ({"label": "baseline", "kind": "total", "value": conf["baseline_median"], "step": "final", "path": f"{path}.baseline_median"},
+                {"label": "final plan", "kind": "total", "value": conf["final_median"], "step": "final", "path": f"{path}.final_median"})
+    return ({"label": "baseline", "kind": "total", "value": trace.baseline.metrics.get(objective), "step": "0", "path": f"metrics.{objective}"},
+            {"label": "final plan", "kind": "total", "value": (final.get("metrics") or {}).get(objective), "step": "final", "path": f"metrics.{objective}"})
 
 
 def _waterfall(cols: list[dict[str, Any]], objective: str) -> str:
@@ -113,7 +130,7 @@ def _waterfall(cols: list[dict[str, Any]], objective: str) -> str:
         else:
             before, colour = c.get("before"), COLOURS.get(c.get("status", ""), COLOURS["other"])
             if is_num(before) and is_num(c.get("band")):
-                lo, hi = before * (1 - c["band"]), before * (1 + c["band"])
+                lo, hi = max(0.0, before * (1 - c["band"])), before * (1 + c["band"])  # a band wider than 100% stops at zero: no rate is negative
                 svg.rect(x - 6, y_of(hi), w + 12, y_of(lo) - y_of(hi), fill="#999", opacity=0.25, tip=f"noise band ±{c['band']:.1%}",
                          extra=data_attrs(c["step"], f"bands.{objective}", c["band"]))
             if is_num(before) and is_num(v):
@@ -125,7 +142,7 @@ def _waterfall(cols: list[dict[str, Any]], objective: str) -> str:
                 if level is not None:
                     svg.line(x - 30, y_of(level), x, y_of(level), stroke="#888", dash=True)
                 level = v if kept else before
-        svg.text(x + w / 2, top_pad + plot_h + 16, _clip(c["label"], 17), anchor="middle", size=10, tip=c["label"])
+        svg.label(x + w / 2, top_pad + plot_h + 16, c["label"], chars=20, lines=3, anchor="middle", size=10, line_h=12)
     svg.line(left, y_of(0), width - 10, y_of(0), stroke="#888")
     return svg.render()
 
@@ -172,14 +189,26 @@ def latency(steps: list[tuple[str, Step]]) -> list[str]:
 
 
 def _load_table(measured: list[tuple[str, Step]]) -> str:
-    head = "<tr><th>pass</th><th>status</th><th>clients</th><th>output tok/s</th><th>done / timeout / cancelled / rejected</th></tr>"
+    head = "<tr><th>pass</th><th>status</th><th>offered load</th><th>output tok/s</th><th>done / timeout / cancelled / rejected</th></tr>"
     body = []
     for i, s in measured:
         info = s.metrics.get("load") or {}
         ended = [sum(r.get(k, 0) for r in info.get("rounds", [])) for k in ("done", "timeout", "cancelled", "rejected")]
-        body.append(f"<tr><td>{esc(label(s))}</td><td>{esc(STATUS_TEXT.get(s.status, s.status))}</td><td>{esc(info.get('clients', '–'))}</td>"
+        body.append(f"<tr><td>{esc(label(s))}</td><td>{esc(STATUS_TEXT.get(s.status, s.status))}</td><td>{esc(_offered(info))}</td>"
                     f"{cell(i, s.metrics, 'throughput_tokens_per_s')}<td>{' / '.join(map(str, ended))}</td></tr>")
     return f"<h3>Under load</h3><table>{head}{''.join(body)}</table>"
+
+
+def _offered(info: dict[str, Any]) -> str:
+    """What the load profile offered, in its own unit: arrivals a second for an open (Poisson)
+    load, whose in-flight count is whatever the arrivals make it; clients or users for a closed one."""
+    mode = info.get("mode")
+    if mode == "poisson":
+        rate = info.get("rate")
+        return f"Poisson, {fmt(rate, whole=True)} requests/s" if is_num(rate) else "Poisson arrivals"
+    if mode == "conversations":
+        return f"{info.get('users', info.get('clients', '–'))} users"
+    return f"{info['clients']} clients" if info.get("clients") is not None else "–"
 
 
 def quality(steps: list[tuple[str, Step]], policy: Policy) -> list[str]:

@@ -58,7 +58,8 @@ def render_fragment(trace: Trace, *, styles: bool = True) -> str:
 
 
 CSS = """
-.fo-report { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #222; max-width: 1000px; margin: 0 auto; line-height: 1.4; }
+.fo-report { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #222; max-width: 1360px; margin: 0 auto; padding: 0 12px; line-height: 1.4; }
+.fo-report .figs { display: flex; flex-wrap: wrap; gap: 4px 24px; align-items: flex-start; } .fo-report .figs .fig { flex: 0 1 auto; max-width: 100%; }
 .fo-report h1 { font-size: 22px; margin: 16px 0 4px; }
 .fo-report h2 { font-size: 18px; margin: 28px 0 6px; border-bottom: 1px solid #ddd; padding-bottom: 3px; }
 .fo-report h3 { font-size: 14px; margin: 14px 0 2px; }

@@ -22,6 +22,7 @@ __all__ = ["COLOURS", "Bar", "Svg", "data_attrs", "esc", "fmt_num", "hbar_chart"
 COLOURS = {"baseline": "#4c78a8", "kept": "#2e9e4f", "rolled_back": "#f58518", "failed": "#c0392b", "skipped": "#9e9e9e", "other": "#7f7f7f"}
 FONT = 12
 LABEL_W = 260  # left margin of the row charts, for step labels
+_LABEL_CHARS = 38  # characters of a step label per line in that margin (11 px system-ui: ~6.2 px a character, 8 px kept clear)
 
 
 def esc(value: Any) -> str:
@@ -93,6 +94,17 @@ class Svg:
         body = esc(s) + (f"<title>{esc(tip)}</title>" if tip else "")
         self.add(f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" font-size="{size}" font-weight="{weight}" fill="{fill}"{extra}>{body}</text>')
 
+    def label(self, x: float, y: float, s: str, *, chars: int, lines: int = 2, anchor: str = "start", size: int = FONT, line_h: float | None = None) -> None:
+        """``s`` wrapped at word or ``(`` / ``,`` boundaries into at most ``lines`` lines of ``chars``
+        characters, the first line's baseline at ``y``; cut with an ellipsis only when it does not
+        fit in them all (the full text stays in the tooltip). Long pass labels such as
+        ``runtime(backend=llama_cpp, dtype=bfloat16)`` then read whole where they fit."""
+        rows = wrap(s, chars, lines=lines)
+        step = line_h or size + 2
+        spans = "".join(f'<tspan x="{x:.1f}" dy="{0 if i == 0 else step:.1f}">{esc(r)}</tspan>' for i, r in enumerate(rows))
+        tip = f"<title>{esc(s)}</title>" if rows != [s] else ""
+        self.add(f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" font-size="{size}" fill="#222">{spans}{tip}</text>')
+
     def axis(self, x0: float, x1: float, y: float, top: float, vmax: float, unit: str = "", ticks: int = 5) -> None:
         """A horizontal value axis from 0 to ``vmax`` at ``y`` with grid lines up to ``top``."""
         for i in range(ticks + 1):
@@ -125,6 +137,28 @@ class Bar:
     tip: str = ""
 
 
+def wrap(text: str, chars: int, *, lines: int = 2) -> list[str]:
+    """``text`` in at most ``lines`` lines of at most ``chars`` characters, broken after a space,
+    ``(`` or ``,`` where one falls in the line (else mid-word); the last line ends with "…" only
+    when the text does not fit in ``lines`` lines."""
+    text = " ".join(text.split())
+    rows: list[str] = []
+    while text and len(rows) < lines:
+        if len(text) <= chars:
+            rows.append(text)
+            text = ""
+            break
+        if len(rows) == lines - 1:
+            rows.append(clip(text, chars))
+            text = ""
+            break
+        cut = max(text.rfind(c, 0, chars) for c in " (,")
+        cut = cut + 1 if cut > 0 else chars
+        rows.append(text[:cut].rstrip())
+        text = text[cut:].lstrip()
+    return rows or [""]
+
+
 def _row_layout(n: int, *, row_h: int, top: int = 10, bottom: int = 40) -> int:
     return top + n * row_h + bottom
 
@@ -141,7 +175,7 @@ def hbar_chart(rows: Sequence[Bar], *, title: str, unit: str, width: int = 980, 
     svg.axis(x0, x1, y_axis, 4, top_v, unit)
     for i, r in enumerate(rows):
         y = 10 + i * row_h
-        svg.text(x0 - 8, y + row_h * 0.65, clip(r.label, 40), anchor="end", tip=r.label)
+        svg.label(x0 - 8, y + row_h * 0.65 - (6 if len(r.label) > _LABEL_CHARS else 0), r.label, chars=_LABEL_CHARS, anchor="end", size=11, line_h=12)
         if is_num(r.value):
             svg.rect(x0, y + 4, min(r.value, top_v) * scale, row_h - 8, fill=COLOURS.get(r.status, COLOURS["other"]),
                      extra=data_attrs(r.step, r.metric, r.value), tip=r.tip or f"{r.label}: {fmt_num(r.value)} {unit}")
@@ -169,7 +203,7 @@ def range_chart(rows: Sequence[Bar], *, title: str, unit: str, width: int = 980,
     for i, r in enumerate(rows):
         y = 10 + i * row_h + row_h / 2
         colour = COLOURS.get(r.status, COLOURS["other"])
-        svg.text(x0 - 8, y + 4, clip(r.label, 40), anchor="end", tip=r.label)
+        svg.label(x0 - 8, y + 4 - (6 if len(r.label) > _LABEL_CHARS else 0), r.label, chars=_LABEL_CHARS, anchor="end", size=11, line_h=12)
         pts = [(x0 + v * scale, v, metric, name) for v, metric, name in r.points if is_num(v)]
         if len(pts) >= 2:
             svg.line(pts[0][0], y, pts[-1][0], y, stroke=colour, width=2)

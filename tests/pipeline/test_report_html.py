@@ -192,3 +192,54 @@ def test_browser_screenshot_is_a_picture(run, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", data[16:24]) == (1100, 2400)
     assert len(data) > 60_000, f"{len(data)} bytes: a blank page compresses far below that"
+
+
+def _chart_texts(page: str) -> list[tuple[str, str]]:
+    """``(shown text, tooltip)`` of every SVG <text>: its tspans joined by spaces, and its <title>."""
+    texts = []
+    for m in re.finditer(r"<text\b[^>]*>(.*?)</text>", page, flags=re.S):
+        tip = re.search(r"<title>(.*?)</title>", m.group(1), flags=re.S)
+        body = re.sub(r"<title>.*?</title>", "", m.group(1), flags=re.S)
+        texts.append((" ".join(t for t in re.split(r"<[^>]+>", body) if t.strip()), tip.group(1) if tip else ""))
+    return texts
+
+
+def test_no_chart_label_is_cut_where_it_fits(run):
+    """Step labels such as dtype(dtype=bfloat16) wrap onto a second line; only a sentence too long for two lines ends in "…", whole in its tooltip."""
+    _, out = run
+    page = (out / "report.html").read_text()
+    texts = _chart_texts(page)
+    cut = [(t, tip) for t, tip in texts if t.endswith("…") and len(tip) <= 76]  # 76: two lines of the widest label margin
+    assert cut == [] and any("dtype(dtype=bfloat16)" in t.replace(" ", "") for t, _ in texts), cut
+    assert all(tip for t, tip in texts if t.endswith("…")), "a cut text keeps its whole text in the tooltip"
+
+
+def test_the_page_shows_one_final_number_per_metric(run):
+    """The waterfalls' baseline and final bars are the confirmation's medians, the numbers on the Final plan cards."""
+    result, out = run
+    trace = json.loads((out / "trace.json").read_text())
+    assert trace["final"]["status"] in ("confirmed", "not_confirmed")
+    page = (out / "report.html").read_text()
+    finals = set(re.findall(r'data-step="final" data-metric="([^"]+)"', page))
+    assert "confirmation.metrics.decode_tokens_per_s.final_median" in finals
+    assert "metrics.decode_tokens_per_s" not in finals  # the last step's own figure is not shown as "final" beside the confirmation's
+
+
+def test_a_noise_band_wider_than_the_value_stops_at_zero():
+    """A step whose noise band is ±150% draws its band down to the axis, not below it."""
+    from fractal_opt.pipeline.report_charts import _waterfall
+
+    cols = [{"label": "baseline", "kind": "total", "value": 10.0, "step": "0", "path": "metrics.x"},
+            {"label": "dtype(dtype=bfloat16)", "kind": "step", "before": 10.0, "value": 12.0, "status": "kept", "step": "1", "path": "metrics.x", "band": 1.5, "change": 0.2}]
+    svg = _waterfall(cols, "x")
+    band = re.search(r'<rect x="[^"]+" y="([\d.]+)" width="[^"]+" height="([\d.]+)"[^>]*data-metric="bands.x"', svg)
+    axis = max(float(y) for y in re.findall(r'<line x1="[^"]+" y1="([\d.]+)"', svg))
+    assert band is not None and float(band.group(1)) + float(band.group(2)) <= axis + 0.01
+
+
+def test_a_poisson_load_is_described_by_its_arrival_rate():
+    """The load table says 'Poisson, 1 requests/s' for an open load, not a client count it never had."""
+    from fractal_opt.pipeline.report_charts import _offered
+
+    assert _offered({"mode": "poisson", "clients": 8, "rate": 1.0}) == "Poisson, 1 requests/s"
+    assert _offered({"mode": "closed", "clients": 8}) == "8 clients"
