@@ -1,36 +1,38 @@
-"""Cross-check fractal_opt's own load measurement against a client nobody here wrote (the openai package).
+"""Cross-check fractal_opt's own numbers against a client nobody here wrote: guidellm.
 
-Serves one plan with ``fractal-opt serve`` (a subprocess) and drives it with the real ``openai``
-client: 8 closed-loop clients, streaming, the same requests and token budgets as the measurement
-(``build_items`` of the same workload and load profile). Between HTTP rounds, the same plan is
-measured in this process by fractal_opt's one measurement runner (``measure.runner.Runner`` with a
-LoadProfile at concurrency 8), interleaved round by round so load from other processes falls on
-both alike. Prints, side by side, the aggregate output tokens/s and TTFT p50 / p90 each side saw,
-their ratio, and whether they agree within 15% (the cross-check's bar). Both sides have the model loaded
-(one process each); only one of them runs at a time.
+Serves one plan with ``fractal-opt serve --ignore-eos`` (a subprocess) and drives it with
+guidellm (``pip install 'fractal-opt[crosscheck]'``) at concurrency 1 and 8, with the run's own
+prompts (the workload's chat messages, sent as they are) and lengths (every answer its
+``max_new_tokens`` cap, guidellm's ``max_completion_tokens`` + ``ignore_eos``). Between the
+guidellm rounds the same plan is measured in this process by fractal_opt's one measurement runner
+(``measure.runner.Runner``, a closed load of the same concurrency, the same requests, ignore_eos),
+interleaved round by round so load from other processes falls on both alike; only one side runs
+at a time. Prints TTFT p50, ITL p50 and output tokens/s of each side, their ratio, whether they
+agree within 15%, and the load average before and after.
 
-The HTTP side pays what a real client pays and the in-process side does not: JSON, SSE framing,
-a socket, the event loop; TTFT there is from the client's send to its first content chunk.
+What differs by construction: guidellm pays JSON, SSE framing, a socket and its own event loop, and
+takes TTFT from its send to the first content chunk; fractal_opt's runner takes it from submit to
+the first token inside the process. Its ITL is over every gap of every request (the mean of a
+request's gaps weighs long answers more); both sides here report the median gap.
 
-    python benchmarks/serve_crosscheck.py                 # embedded SmolLM2 on the chatbot workload (~3-5 min on 2 cores)
-    python benchmarks/serve_crosscheck.py --tiny          # the random tiny model: a smoke run, ~1 min
-    python benchmarks/serve_crosscheck.py --rounds 3 --requests 24
+    python benchmarks/serve_crosscheck.py                       # quickstart's kept llama.cpp plan (~4 min on 2 quiet cores)
+    python benchmarks/serve_crosscheck.py fractal-out           # a run folder's tuned recipe
+    python benchmarks/serve_crosscheck.py --rounds 3 --requests 8
 
-guidellm / `vllm bench serve` are not used: neither installs here quickly (they pin their own
-torch / transformers); the openai client is the independent one.
+guidellm does not stream usage in every chunk from this server (``continuous_usage_stats`` is not
+offered: the script sends it false); it counts tokens from the final usage chunk.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -39,6 +41,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 AGREE = 0.15
+METRICS = (("ttft_ms_p50", "TTFT p50 ms"), ("itl_ms_p50", "ITL p50 ms"), ("throughput_tokens_per_s", "output tok/s"))
+# The quickstart's kept plan on the project's machine (recipes/quickstart.yaml: llama.cpp on the
+# embedded Q4_1 GGUF, the token cap of 24), its workload's prompts, every answer 24 tokens long.
+QUICKSTART_PLAN = {"hardware": [{"runtime": {"backend": "llama_cpp"}}], "application": [{"max_new_tokens": {"limit": 24}}]}
 
 
 def _uptime() -> str:
@@ -48,158 +54,134 @@ def _uptime() -> str:
         return "uptime unavailable"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _recipe(args: argparse.Namespace, folder: Path) -> Path:
-    """The plan under test: continuous batching with 8 in flight (what recipes/chatbot.yaml keeps)."""
-    load = {"mode": "closed", "concurrency": args.clients, "requests": args.requests, "output_tokens": [16, 32, 48]}
-    if args.tiny:
+def _recipe(source: str | None, folder: Path, clients: int, requests: int) -> Path:
+    """The plan under test, with the run's workload under a closed load of ``clients``, fixed lengths."""
+    if source:
         sys.path.insert(0, str(ROOT))
-        from fractal_opt.testing import tiny_model
+        from fractal_opt.runtimes import recipe_source
 
-        model = str(tiny_model(folder / "tiny", hidden_size=256, layers=4))
-        workload = {"suite": "chat", "max_new_tokens": 48, "load": load, "warmup": 1, "repeats": args.rounds}
+        data = yaml.safe_load(Path(recipe_source(source)).read_text(encoding="utf-8"))
     else:
-        chatbot = yaml.safe_load((ROOT / "recipes" / "chatbot.yaml").read_text(encoding="utf-8"))
-        model = chatbot["model"]
-        workload = {**chatbot["workload"], "load": load, "warmup": 1, "repeats": args.rounds}
-    passes: dict = {"scheduling": [{"batching": {"mode": "continuous"}}, {"concurrency": {"limit": args.clients}}]}
-    if args.threads:
-        passes["hardware"] = [{"threads": {"count": args.threads}}]
-    recipe = {"name": "crosscheck", "model": model, "workload": workload, "passes": passes}
-    path = folder / "recipe.yaml"
+        data = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text(encoding="utf-8"))
+        data["passes"] = QUICKSTART_PLAN
+    workload = {k: v for k, v in data["workload"].items() if k not in ("load", "max_repeats")}
+    workload.update(load={"mode": "closed", "concurrency": clients, "requests": requests, "ignore_eos": True}, warmup=1, repeats=1)
+    recipe = {"name": "crosscheck", "model": data["model"], "workload": workload, "passes": data.get("passes") or {}}
+    path = folder / f"recipe-c{clients}.yaml"
     path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
     return path
 
 
-def _http_round(client, items, clients: int) -> dict[str, float]:
-    """One closed-loop pass over ``items`` with the openai client; TTFT from send to first content."""
-    lock = threading.Lock()
-    order = iter(range(len(items)))
-    records: list[tuple[float, float | None, float, int]] = []  # (sent, first content, end, completion tokens)
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        while True:
-            with lock:
-                i = next(order, None)
-            if i is None:
-                return
-            item = items[i]
-            try:
-                sent = time.perf_counter()
-                first = None
-                tokens = 0
-                stream = client.chat.completions.create(model="crosscheck", messages=item.request.as_messages(), max_tokens=item.max_new_tokens,
-                                                        stream=True, stream_options={"include_usage": True})
-                for chunk in stream:
-                    if chunk.usage is not None:
-                        tokens = chunk.usage.completion_tokens
-                    if first is None and chunk.choices and chunk.choices[0].delta.content:
-                        first = time.perf_counter()
-                records.append((sent, first, time.perf_counter(), tokens))
-            except BaseException as e:  # noqa: BLE001 (reported below)
-                errors.append(e)
-
-    threads = [threading.Thread(target=worker) for _ in range(min(clients, len(items)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"{len(errors)} HTTP requests failed: {errors[0]!r}")
-    wall = max(r[2] for r in records) - min(r[0] for r in records)
-    ttfts = sorted((r[1] - r[0]) * 1000 for r in records if r[1] is not None)
-    return {"throughput_tokens_per_s": sum(r[3] for r in records) / wall, "ttft_ms_p50": _pct(ttfts, 50), "ttft_ms_p90": _pct(ttfts, 90),
-            "output_tokens": sum(r[3] for r in records)}
+def _guidellm(port: int, rows: list[dict], tokenizer: str, clients: int, requests: int, folder: Path) -> dict[str, float]:
+    """One guidellm benchmark (concurrent, ``clients`` streams, ``requests`` requests); its medians and aggregate output tokens/s."""
+    out = folder / f"guidellm-c{clients}-{time.monotonic_ns()}.json"
+    spec = {"backend": {"kind": "openai_http", "target": f"http://127.0.0.1:{port}", "model": "crosscheck", "request_format": "/v1/chat/completions",
+                        "extras": {"body": {"stream_options": {"continuous_usage_stats": False}}}},
+            "profile": {"kind": "concurrent", "streams": [clients]}, "constraints": [{"kind": "max_requests", "count": requests}],
+            "tokenizer": {"kind": "huggingface_auto", "model": tokenizer}, "data": [{"kind": "in_memory_dict_list", "data": rows}],
+            "outputs": [{"kind": "json", "path": str(out)}]}
+    scenario = folder / "scenario.json"
+    scenario.write_text(json.dumps({"metadata": {"name": "crosscheck", "description": "fractal-opt serve"}, "spec": spec}), encoding="utf-8")
+    exe = Path(sys.executable).parent / "guidellm"
+    done = subprocess.run([str(exe), "run", "-c", str(scenario), "--disable-console"], capture_output=True, text=True, timeout=1800, check=False,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if done.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"guidellm exited {done.returncode}: {(done.stderr or done.stdout)[-2000:]}")
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    m = bench["metrics"]
+    errored = len(bench["requests"].get("errored") or [])
+    if errored:
+        raise RuntimeError(f"guidellm: {errored} requests failed: {bench['requests']['errored'][0].get('error')}")
+    tokens = m["output_token_count"]["successful"]["total_sum"]
+    return {"ttft_ms_p50": m["time_to_first_token_ms"]["successful"]["median"], "itl_ms_p50": m["inter_token_latency_ms"]["successful"]["median"],
+            "throughput_tokens_per_s": tokens / bench["duration"], "output_tokens": tokens}
 
 
-def _pct(values: list[float], q: float) -> float:
-    from fractal_opt.measure.metrics import percentile
-
-    return percentile(values, q)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="the random tiny model instead of the embedded SmolLM2")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=16, help="requests per round")
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads of the plan (both sides); default: torch's own")
-    args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
-    import openai
-
-    from fractal_opt.measure.load import build_items
-    from fractal_opt.measure.runner import Runner
-    from fractal_opt.recipe import load_recipe
-    from fractal_opt.runtimes import Engine
-
-    print(f"start: {_uptime()}")
-    with tempfile.TemporaryDirectory() as tmp:
-        recipe_path = _recipe(args, Path(tmp))
-        recipe = load_recipe(recipe_path)
-        port = _free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "fractal_opt", "serve", str(recipe_path), "--port", str(port), "--log-level", "warning"],
-                                cwd=ROOT, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            engine = Engine.from_recipe(recipe, progress=lambda m: None)
-            _wait_healthy(port, proc)
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-            requests = recipe.workload.requests()
-            items = build_items(requests, recipe.workload.load_profile(), default_tokens=recipe.workload.max_new_tokens)
-            runner = Runner(engine, recipe.workload, requests)
-            runner.warm_up()
-            _http_round(client, items[: args.clients], args.clients)  # warm-up, untimed
-            http_rounds = []
-            for r in range(args.rounds):
-                first_http = r % 2 == 1  # alternate the order: A B, B A
-                if first_http:
-                    http_rounds.append(_http_round(client, items, args.clients))
-                runner.round()
-                if not first_http:
-                    http_rounds.append(_http_round(client, items, args.clients))
-                own = runner.repeats[-1]
-                print(f"round {r + 1}: fractal_opt {own['throughput_tokens_per_s']:.1f} tok/s, TTFT p50 {own['ttft_ms_p50']:.0f} ms | "
-                      f"openai client {http_rounds[-1]['throughput_tokens_per_s']:.1f} tok/s, TTFT p50 {http_rounds[-1]['ttft_ms_p50']:.0f} ms "
-                      f"({http_rounds[-1]['output_tokens']} tokens)")
-            own_rows = runner.repeats
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    print()
-    print(f"{recipe.model}, continuous batching, threads {args.threads or 'default'}, {args.clients} closed-loop streaming clients, {args.requests} requests per round, {args.rounds} rounds (medians)")
-    print(f"{'metric':<26}{'openai client':>15}{'fractal_opt':>14}{'ratio':>8}  agree within {AGREE:.0%}?")
-    worst = 0.0
-    for metric in ("throughput_tokens_per_s", "ttft_ms_p50", "ttft_ms_p90"):
-        http = statistics.median(r[metric] for r in http_rounds)
-        own = statistics.median(r[metric] for r in own_rows)
-        ratio = http / own if own else float("nan")
-        worst = max(worst, abs(ratio - 1))
-        print(f"{metric:<26}{http:>15.1f}{own:>14.1f}{ratio:>8.2f}  {'yes' if abs(ratio - 1) <= AGREE else 'NO'}")
-    print(f"end: {_uptime()}")
-    return 0 if worst <= AGREE else 1
-
-
-def _wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
+def _serve(recipe: Path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "fractal_opt", "serve", str(recipe), "--port", str(port), "--ignore-eos", "--log-level", "warning"],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"fractal-opt serve exited {proc.returncode}: {proc.stderr.read()}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return
+                return proc
         except OSError:
             time.sleep(0.3)
     raise RuntimeError("fractal-opt serve did not come up")
+
+
+def _level(args: argparse.Namespace, clients: int, folder: Path) -> tuple[list[dict], list[dict]]:
+    """Interleaved rounds at one concurrency: (guidellm's rows, fractal_opt's rows)."""
+    from fractal_opt.export.common import served_folder
+    from fractal_opt.measure.runner import Runner
+    from fractal_opt.models import resolve
+    from fractal_opt.recipe import load_recipe
+    from fractal_opt.runtimes import Engine
+    from fractal_opt.runtimes.child_process import free_port
+
+    path = _recipe(args.source, folder, clients, args.requests)
+    recipe = load_recipe(path)
+    requests = recipe.workload.requests()
+    rows = [{"messages": r.as_messages(), "output_tokens_count": recipe.plan().application.max_new_tokens or recipe.workload.max_new_tokens}
+            for r in requests]
+    rows = (rows * (args.requests // len(rows) + 1))[: args.requests]
+    tokenizer, _ = served_folder(str(resolve(recipe.model).path))
+    port = free_port()
+    proc = _serve(path, port)
+    theirs, ours = [], []
+    try:
+        engine = Engine.from_recipe(recipe, progress=lambda m: None)
+        try:
+            runner = Runner(engine, recipe.workload, requests)
+            runner.warm_up()
+            _guidellm(port, rows, tokenizer, clients, clients, folder)  # warm-up, untimed
+            for r in range(args.rounds):
+                if r % 2:  # alternate the order: A B, B A
+                    theirs.append(_guidellm(port, rows, tokenizer, clients, args.requests, folder))
+                runner.round()
+                if not r % 2:
+                    theirs.append(_guidellm(port, rows, tokenizer, clients, args.requests, folder))
+                ours.append(runner.repeats[-1])
+                print(f"c={clients} round {r + 1}: " + ", ".join(f"{name} guidellm {theirs[-1][k]:.1f} / fractal_opt {ours[-1][k]:.1f}" for k, name in METRICS),
+                      flush=True)
+        finally:
+            engine.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return theirs, ours
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", nargs="?", default=None, help="a run folder or recipe (default: the quickstart's kept llama.cpp plan)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=8, help="requests per round and side")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    print(f"start: {_uptime()}", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for c in args.concurrency:
+            results[c] = _level(args, c, Path(tmp))
+    print(f"\n{args.source or 'quickstart kept plan (llama.cpp, cap 24)'}; every answer its cap (ignore_eos); {args.requests} requests a round, "
+          f"{args.rounds} rounds interleaved (medians of rounds)")
+    print(f"{'concurrency':<12}{'metric':<16}{'guidellm':>10}{'fractal_opt':>13}{'ratio':>8}  within {AGREE:.0%}?")
+    worst = 0.0
+    for c, (theirs, ours) in results.items():
+        for key, name in METRICS:
+            a, b = statistics.median(r[key] for r in theirs), statistics.median(r[key] for r in ours)
+            ratio = a / b if b else float("nan")
+            worst = max(worst, abs(ratio - 1))
+            print(f"{c:<12}{name:<16}{a:>10.1f}{b:>13.1f}{ratio:>8.2f}  {'yes' if abs(ratio - 1) <= AGREE else 'NO'}")
+    print(f"end: {_uptime()}")
+    return 0 if worst <= AGREE else 1
 
 
 if __name__ == "__main__":

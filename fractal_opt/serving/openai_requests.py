@@ -160,8 +160,12 @@ def _common(body: Mapping[str, Any], messages: list[dict[str, str]], *, served: 
     if not isinstance(stream, bool):
         raise BadRequest("stream", f"'stream': got {_show(stream)}, expected true or false.")
     options = body.get("stream_options") or {}
-    if not isinstance(options, Mapping) or any(k != "include_usage" for k in options):
-        raise BadRequest("stream_options", f"'stream_options': got {_show(options)}, expected an object such as {{\"include_usage\": true}} (its one field here).")
+    # vLLM's continuous_usage_stats (usage in every chunk) is not offered; false asks for nothing
+    # beyond include_usage, and guidellm sends it (true by default, false when told).
+    if not isinstance(options, Mapping) or any(k not in ("include_usage", "continuous_usage_stats") for k in options) \
+            or options.get("continuous_usage_stats") not in (None, False):
+        raise BadRequest("stream_options", f"'stream_options': got {_show(options)}, expected an object such as {{\"include_usage\": true}} "
+                         "(include_usage; continuous_usage_stats, usage in every chunk, is not offered: omit it or send false).")
     if body.get("ignore_eos") not in (None, ignore_eos) or not isinstance(body.get("ignore_eos", False), bool):
         mode = "runs every answer to its max_tokens (serve --ignore-eos)" if ignore_eos else "ends an answer at end-of-sequence, as the plan was measured"
         raise BadRequest("ignore_eos", f"'ignore_eos': got {_show(body.get('ignore_eos'))}; this server {mode}, for every request. "

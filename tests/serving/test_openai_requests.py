@@ -61,3 +61,9 @@ def test_completions_take_one_prompt():
     assert _param({"prompt": ["a", "b"]}, parse=parse_completion) == "prompt"
     assert _param({"prompt": "a", "echo": True}, parse=parse_completion) == "echo"
     assert _param({"prompt": "a", "logprobs": 3}, parse=parse_completion) == "logprobs"
+
+
+def test_continuous_usage_stats_false_asks_for_nothing_more_and_is_accepted():
+    """guidellm's stream_options {include_usage: true, continuous_usage_stats: false} is a plain streamed request with usage at the end."""
+    got = parse_chat({"messages": MSGS, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
+    assert got.stream and got.include_usage
