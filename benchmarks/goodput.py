@@ -24,6 +24,7 @@ throughput over the best transformers plan's.
 
     python benchmarks/goodput.py --json          # one JSON object: capacity, ratio, ttft_by_turn (+ details)
     python benchmarks/goodput.py --quick --json  # 1 round, 2 turns, no capacity search: a smoke run
+    python benchmarks/goodput.py --no-sequential --json   # without transformers one at a time (the slowest plan)
 """
 
 from __future__ import annotations
@@ -48,14 +49,16 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def plans() -> tuple[dict[str, Any], dict[str, Any]]:
+def plans(*, sequential: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """(transformers plans, llama.cpp candidates with the prompt cache), by label."""
     from fractal_opt.plan import Plan
     from fractal_opt.runtimes.llama_cpp.process import NATIVE, executable_problem
 
     base = Plan(source="smollm2-135m-instruct")
     continuous = {"batching": "continuous", "max_concurrency": 8, "prefix_cache": True}
-    tf = {"transformers one at a time": base, "transformers continuous, prefix sharing": base.replace_section("scheduling", **continuous)}
+    tf = {"transformers continuous, prefix sharing": base.replace_section("scheduling", **continuous)}
+    if sequential:
+        tf["transformers one at a time"] = base
     llama = base.replace_section("hardware", runtime="llama_cpp", threads="auto", flash_attention="on").replace_section("scheduling", **continuous)
     q8 = {"weight_bits": 8, "quant_backend": "gguf", "quant_method": "q8_0", "quant_skip": ("lm_head",)}
     # The GGUF re-quantized to Q8_0: this llama.cpp prefills Q8_0 faster than the embedded Q4_1
@@ -118,6 +121,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per plan (after one warm-up)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 2 turns, no capacity search")
+    parser.add_argument("--no-sequential", action="store_true",
+                        help="leave out transformers one request at a time (the slowest plan: each round takes it several minutes)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout (the log goes to stderr)")
     args = parser.parse_args()
     load_start = os.getloadavg()
@@ -129,7 +134,7 @@ def main() -> int:
     load = {**wl.load, **({"turns": 2} if args.quick else {})}
     wl = dataclasses.replace(wl, repeats=1 if args.quick else args.rounds, max_repeats=None, load=load)
     machine = Machine.probe()
-    tf, candidates = plans()
+    tf, candidates = plans(sequential=not args.no_sequential)
     engines = {name: build(plan, machine=machine, progress=log, max_new_tokens=wl.max_new_tokens) for name, plan in {**tf, **candidates}.items()}
     try:
         measured = interleaved(engines, wl)
@@ -157,7 +162,7 @@ def main() -> int:
         "throughput_tokens_per_s": {name: None if v is None else round(v, 1) for name, v in tput.items()},
         "cached_tokens_by_turn": {name: [row["cached_tokens_p50"] for row in m.extra["load"]["by_turn"]] for name, m in measured.items()},
         "cpu_s_per_1k_tokens": {name: _r(m.median("cpu_s_per_1k_tokens")) for name, m in measured.items()},
-        "tuned_llama_cpp": tuned, "best_transformers": best_tf,
+        "tuned_llama_cpp": tuned, "best_transformers": best_tf, "transformers_plans": list(tf),
         "load": {k: v for k, v in wl.load.items()}, "max_new_tokens": wl.max_new_tokens, "rounds": wl.repeats,
         "machine": f"{machine.cpu}, {machine.physical_cores} physical cores", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_average": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
