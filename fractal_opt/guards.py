@@ -63,7 +63,7 @@ CENSUS_METRICS: dict[str, bool] = {"weight_mb": False}
 ALL_METRICS = {**METRICS, **QUALITY_METRICS, **CENSUS_METRICS}
 LIMITS = ("min", "max", "max_regression", "max_drop")
 # The accuracy guard's "worse beyond noise": a drop counts when a one-sided sign test on the eval
-# questions that changed verdict gives p below this. On the packaged basics set (40 questions) the
+# questions that changed verdict gives p below this. On the packaged basics set's first 40 questions the
 # harmless changes measured (bf16, threads, eager attention, prepacked weights, bf16 on llama.cpp)
 # lost 0-1 questions; Q4_1 kernels lost 5 and gained 0 (p=0.031), docs/quality.md.
 WORSE_P = 0.10

@@ -8,8 +8,9 @@ An eval set is YAML (``name``, ``items``) or JSONL (one item per line). Each ite
 - ``regex``: the answer is a regular expression searched in the output;
 - ``choice``: the first letter/word of the output equals the answer (multiple choice, case-insensitive).
 
-The packaged set ``basics`` (40 short factual and instruction questions, the README's example first)
-is the default for the embedded model (``quality.eval: auto``); its float32 baseline answers 30 of 40.
+The packaged set ``basics`` (45 short factual, instruction and reading questions, the README's
+example first) is the default for the embedded model (``quality.eval: auto``); its float32
+baseline answers 35 of 45 (benchmarks/quality_gate.py prints it).
 
 Example:
     >>> from fractal_opt.evals import load_eval_set, matches
