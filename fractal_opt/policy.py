@@ -17,6 +17,12 @@ Guards:
 - speed and memory, relative to the previous kept plan: every number on the layer's watch list may
   get at most ``max_regression`` (default 10%) worse beyond its noise band (the guard trips when
   the regression exceeds max_regression + band);
+- determinism for scheduling passes (``determinism``): ``required`` holds a batching step to the
+  previous plan's exact greedy tokens (``path_agreement: {min: 1.0}``); ``off`` (the default) judges
+  the batched outputs like a numerics change, by the quality guards against the baseline above.
+  Runtimes whose batched kernels round differently (llama.cpp; vLLM without its batch-invariant
+  mode) change some greedy tokens without losing quality. Either way the step reports the
+  identical fraction (``path_agreement``) and its reason quotes it;
 - latency for scheduling passes: TTFT p90 at most 50% and inter-token latency p90 at most 150%
   worse than the previous plan's (:data:`LATENCY_GUARDS`), so a batching that buys throughput by
   making every user wait several times longer is not kept by default;
@@ -38,10 +44,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from .errors import RecipeError, closest
-from .guards import ALL_METRICS, CENSUS_METRICS, LIMITS, QUALITY_METRICS, Evidence, Guard, finite, move
+from .guards import ALL_METRICS, CENSUS_METRICS, LIMITS, QUALITY_METRICS, Evidence, Guard, finite, fmt, move
 from .measure.metrics import METRICS
 from .passes import Layer
 
@@ -69,6 +75,7 @@ WATCH = {
 # gave on the default suite was 0.61 (bf16 on transformers), real regressions 0.05-0.41
 # (docs/quality.md). accuracy: the eval set's questions, worse beyond noise (guards.WORSE_P); in
 # force when an eval set is scored (by default for an embedded model).
+DETERMINISM = ("off", "required")  # policy.determinism: the values it takes
 DEFAULT_GUARDS = {"kl_mean": {"max": 0.05}, "agreement": {"min": 0.5}, "accuracy": {"max_drop": 0.0}}
 # What a scheduling pass may cost the people waiting (DESIGN.md: throughput is the objective, TTFT /
 # ITL percentiles the guards), relative to the previous plan. On the project's 2-core CPU, static
@@ -107,6 +114,9 @@ class Policy:
         max_regression: default limit for the numbers on each layer's watch list (0.10 = 10%).
         min_effect: the smallest relative change that counts even on a quiet machine (0.05 = 5%).
         timeout_s: seconds one step (or the baseline) may take before it is ended as ``failed: timeout``.
+        determinism: ``required``: a scheduling step must give the previous plan's greedy tokens
+            exactly (``path_agreement: {min: 1.0}``); ``off``: it is judged by the quality guards
+            against the baseline, and its identical fraction is reported, not guarded.
     """
 
     objective: str = "auto"
@@ -119,8 +129,18 @@ class Policy:
     # past it is recorded ``failed: timeout`` and the run goes on (None = no limit). Two hours:
     # the A/A baseline of a 7B model on a laptop CPU takes about one (load + 2 x the suite).
     timeout_s: float | None = field(default=7200.0, metadata={"bounds": (1, 7 * 86400)})
+    # Off by default: exact tokens under batching is a property of the runtime (its capability
+    # table's batch_invariant), not of the pass; llama.cpp's continuous batching left 0.625-0.75 of
+    # the answers identical while agreement with the baseline held (docs/quality.md).
+    # False: YAML 1.1 (PyYAML) reads an unquoted ``determinism: off`` as false; it means "off".
+    determinism: Literal["off", "required", False] = "off"
 
     def __post_init__(self) -> None:
+        if self.determinism is False:
+            object.__setattr__(self, "determinism", "off")
+        if self.determinism not in DETERMINISM:
+            raise RecipeError(f"policy, key 'determinism': got {self.determinism!r}, expected one of {list(DETERMINISM)}."
+                              f"{closest(str(self.determinism), DETERMINISM)}")
         if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float)
                                            or not 1 <= self.timeout_s <= 7 * 86400):
             raise RecipeError(f"policy, key 'timeout_s': got {self.timeout_s!r}, expected seconds in [1, 604800] or null (no limit).")
@@ -159,7 +179,7 @@ class Policy:
         specs: dict[str, dict | None] = {m: {"max_regression": self.max_regression} for m in WATCH[layer] if m != self.objective_for(layer)}
         specs.update(DEFAULT_GUARDS)
         specs.update({m: dict(spec) for m, spec in LATENCY_GUARDS.get(layer, {}).items() if m != self.objective_for(layer)})
-        if layer is Layer.SCHEDULING:
+        if layer is Layer.SCHEDULING and self.determinism == "required":
             # A serving path (batching, continuous batching) must give the same greedy tokens as
             # the path it replaces; a divergence is a quality regression, not a speed-up.
             specs["path_agreement"] = {"min": 1.0}
@@ -191,6 +211,8 @@ class Policy:
             notes += found.notes
             if found.in_force:
                 in_force.append(guard.describe())
+        if layer is Layer.SCHEDULING and (identical := _identical(ev, self.determinism)):
+            notes.append(identical)
         clean = {k: round(v, 4) for k, v in changes.items() if finite(v)}  # trace.json is strict JSON: no NaN
         finite_bands = {k: v for k, v in bands.items() if finite(v)}
 
@@ -236,6 +258,16 @@ class Policy:
             if (gain if better_side else -gain) > ev.bands.get(m, self.min_effect):
                 out.append(f"{m} {move(m, ev, c)}")
         return out
+
+
+def _identical(ev: Evidence, determinism: str) -> str:
+    """The batching step's identical fraction, for its reason: a guard with determinism
+    ``required``, a reported number with ``off`` (the quality guards judge the step)."""
+    value = ev.after.get("path_agreement")
+    if value is None:
+        return ""
+    role = "guarded (determinism required)" if determinism == "required" else "reported, not guarded (determinism off)"
+    return f"path_agreement {fmt(value)}: the share of answers token-identical to the previous plan's, {role}"
 
 
 def _merged(default: dict | None, spec: dict) -> dict:

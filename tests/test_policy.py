@@ -318,7 +318,53 @@ def test_batching_that_makes_every_user_wait_much_longer_is_not_kept():
     verdict = _schedule(Policy(), {"throughput_tokens_per_s": 0.36, "ttft_ms_p90": 14.65, "itl_ms_p90": 0.3})
     assert not verdict.kept and verdict.outcome == "guard"
     assert "guard ttft_ms_p90 max_regression 50% tripped" in verdict.reason
-    assert verdict.guards == ["agreement min 0.5", "ttft_ms_p90 max_regression 50%", "itl_ms_p90 max_regression 150%", "path_agreement min 1"]
+    assert verdict.guards == ["agreement min 0.5", "ttft_ms_p90 max_regression 50%", "itl_ms_p90 max_regression 150%"]
+
+
+# ---------------------------------------------------------------------------- determinism: path agreement
+
+def _batched(policy: Policy, *, identical: float, agreement: float = 0.78, kl: float = 0.01):
+    """A batching step: throughput +35%, ``identical`` of its answers token-identical to one at a time."""
+    before = {"throughput_tokens_per_s": 100.0, "agreement": 0.72, "kl_mean": 0.01}
+    after = {"throughput_tokens_per_s": 135.0, "agreement": agreement, "kl_mean": kl, "path_agreement": identical}
+    return policy.judge(Layer.SCHEDULING, before, after, {"throughput_tokens_per_s": 0.35}, {"throughput_tokens_per_s": 0.05})
+
+
+def test_determinism_required_rolls_back_a_batching_that_changes_a_token():
+    """With policy.determinism: required, 0.75 of the answers identical trips the path_agreement guard."""
+    verdict = _batched(Policy(determinism="required"), identical=0.75)
+    assert not verdict.kept and verdict.outcome == "guard"
+    assert "guard path_agreement min 1 tripped: 0.75" in verdict.reason
+    assert "path_agreement min 1" in verdict.guards
+
+
+def test_determinism_off_keeps_a_batching_whose_quality_holds_and_quotes_the_identical_fraction():
+    """By default (off) 0.75 identical is no guard: the quality guards hold, the step is kept, and its reason gives 0.75."""
+    verdict = _batched(Policy(), identical=0.75)
+    assert verdict.kept, verdict.reason
+    assert "path_agreement 0.75: the share of answers token-identical to the previous plan's, reported, not guarded" in verdict.reason
+    assert not any(g.startswith("path_agreement") for g in verdict.guards)
+
+
+def test_determinism_off_still_rolls_back_a_batching_that_loses_the_baseline_answers():
+    """With determinism off the batched answers are judged against the baseline: agreement 0.3 trips."""
+    verdict = _batched(Policy(), identical=0.1, agreement=0.3)
+    assert not verdict.kept and "guard agreement min 0.5 tripped: 0.3" in verdict.reason
+
+
+def test_determinism_takes_off_or_required_and_names_them_otherwise():
+    """A misspelt determinism is refused with the key, the value, the allowed values and the closest one."""
+    with pytest.raises(RecipeError, match=r"determinism.*'requird'.*'off' \| 'required'.*Did you mean 'required'"):
+        load_recipe({"model": "x/y", "policy": {"determinism": "requird"}}, check_model=False)
+    with pytest.raises(RecipeError, match="determinism"):
+        Policy(determinism="always")  # type: ignore[arg-type]
+
+
+def test_unquoted_off_in_yaml_means_determinism_off(tmp_path):
+    """YAML reads `determinism: off` as false; the recipe loads with determinism off, not an error."""
+    path = tmp_path / "r.yaml"
+    path.write_text("model: x/y\npolicy: {determinism: off}\n")
+    assert load_recipe(path, check_model=False).policy.determinism == "off"
 
 
 def test_batching_that_trades_inter_token_latency_for_throughput_is_kept():

@@ -18,7 +18,7 @@ from typing import Any
 from ..engine.protocol import Engine
 from ..machine import Machine
 from ..measure.metrics import Measurement
-from ..passes import Pass
+from ..passes import Layer, Pass
 from ..plan import Plan
 from ..quality.probes import agreement_between
 from ..recipe import Recipe
@@ -91,8 +91,10 @@ def attempt(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, ke
         step.timings.update(warmup_s=round(cmp.after.warmup_s, 2), measure_s=round(time.perf_counter() - t0, 2))
         env.enter("quality")
         quality = env.quality(engine, cmp.after, label)
-        if "path_agreement" in {g.metric for g in env.recipe.policy.guards_for(p.layer)} and not candidate.application.do_sample:
-            # Path equivalence: with greedy decoding a serving path must not change a token.
+        if (p.layer is Layer.SCHEDULING or "path_agreement" in {g.metric for g in env.recipe.policy.guards_for(p.layer)}) \
+                and not candidate.application.do_sample:
+            # Path equivalence: the share of greedy answers a serving path leaves token-identical,
+            # reported on every scheduling step; a guard only with policy.determinism: required.
             quality.update(path_agreement=agreement_between(cmp.before.outputs, cmp.after.outputs))
         env.enter("judge")
         return _judge(env, p, ramp, step, label, kept, candidate, engine, cmp, quality, mode)

@@ -110,13 +110,13 @@ def test_bad_probe_spec_fails_early():
 
 
 def test_scheduling_pass_that_changes_tokens_trips_path_equivalence():
-    """The policy rolls back a scheduling pass whose greedy tokens differ from the previous path."""
+    """With determinism required the policy rolls back a scheduling pass whose greedy tokens differ from the previous path."""
     from fractal_opt.passes import Layer
     from fractal_opt.policy import Policy
 
     before = {"throughput_tokens_per_s": 10.0}
     after = {"throughput_tokens_per_s": 30.0, "path_agreement": 0.5}
-    verdict = Policy().judge(Layer.SCHEDULING, before, after, {"throughput_tokens_per_s": 2.0}, {"throughput_tokens_per_s": 0.05})
+    verdict = Policy(determinism="required").judge(Layer.SCHEDULING, before, after, {"throughput_tokens_per_s": 2.0}, {"throughput_tokens_per_s": 0.05})
     assert not verdict.kept
     assert "path_agreement min 1 tripped" in verdict.reason
 
