@@ -15,8 +15,8 @@ Guards:
   verdict. Only exact numbers are judged: a quality number that is missing or only a lower bound is
   *unknown* and trips, unless the recipe says ``accept_unknown: true`` (:mod:`fractal_opt.guards`);
 - speed and memory, relative to the previous kept plan: every number on the layer's watch list may
-  get at most ``max_regression`` (default 10%) worse beyond its noise band (the guard trips when
-  the regression exceeds max_regression + band);
+  get at most ``max_regression`` (default 10%) worse beyond its threshold (the step's interval
+  half-width, at least min_effect: the guard trips when the regression exceeds max_regression + it);
 - determinism for scheduling passes (``determinism``): ``required`` holds a batching step to the
   previous plan's exact greedy tokens (``path_agreement: {min: 1.0}``); ``off`` (the default) judges
   the batched outputs like a numerics change, by the quality guards against the baseline above.
@@ -96,7 +96,7 @@ class Verdict:
     kept: bool
     reason: str
     changes: dict[str, float] = field(default_factory=dict)  # metric -> relative change vs previous
-    bands: dict[str, float] = field(default_factory=dict)  # metric -> noise band used
+    bands: dict[str, float] = field(default_factory=dict)  # metric -> threshold used (interval half-width, at least min_effect)
     # kept | no_change (objective within noise, no guard tripped) | worse | guard | unmeasured
     # (the objective has no number, or one that is not finite)
     outcome: str = ""
@@ -198,7 +198,7 @@ class Policy:
         intervals: dict[str, list[float]] | None = None,
     ) -> Verdict:
         """Keep or roll back: ``before``/``after`` are metric medians (quality included),
-        ``changes`` relative changes (paired), ``bands`` the noise band per metric, ``baseline``
+        ``changes`` relative changes (paired), ``bands`` the threshold per metric (interval half-width, at least min_effect), ``baseline``
         the baseline's numbers (for ``max_drop``), ``intervals`` the 95% interval ``[low, high]``
         of each paired change (quoted next to the estimate in the reason)."""
         ev = Evidence(before=before, after=after, changes=changes, bands=bands, baseline=baseline or {}, intervals=intervals or {})

@@ -6,7 +6,7 @@ baseline's is therefore not a measurement of "final vs baseline": on a busy mach
 measurements of the *same* plan differed by up to 38% (+11.8% and -38% on one plan). So after the last step the
 baseline and the final plan are served in the same rounds, A B / B A, with the rule of every step
 (:func:`~fractal_opt.measure.runner.measure_pair`, paired t intervals over rounds per metric, the
-noise band of :func:`~fractal_opt.measure.noise.band`), and "final vs baseline" in trace.json,
+threshold of :func:`~fractal_opt.measure.noise.band`: the interval half-width, at least ``min_effect``), and "final vs baseline" in trace.json,
 report.md and the terminal comes only from that comparison, with its intervals. When no pass was
 kept the final plan is the baseline: nothing is measured and no change is printed.
 
@@ -138,7 +138,7 @@ def record(
 ) -> dict[str, Any]:
     """``trace.final``'s fields from the two measurements (baseline ``before``, final ``after``).
 
-    Per metric: the paired change and its 95% interval, the noise band, the two medians (labelled
+    Per metric: the paired change and its 95% interval, the threshold (``band``), the two medians (labelled
     as such: the change is not their ratio) and a verdict ``better`` / ``worse`` / ``within noise``.
     """
     intervals = paired_changes(before, after)
@@ -203,7 +203,7 @@ def final_lines(final: Mapping[str, Any], *, markdown: bool = True) -> list[str]
             "medians baseline -> final):")
     rows = [m for m in (*HEADLINE, "weight_mb") if m in metrics]
     if markdown:
-        out += ["", head, "", "| metric | paired change [95%] | noise band | medians baseline -> final | verdict |", "|---|---|---|---|---|"]
+        out += ["", head, "", "| metric | paired change [95%] | threshold (interval half-width, at least min_effect) | medians baseline -> final | verdict |", "|---|---|---|---|---|"]
         out += [_row(m, metrics[m]) for m in rows]
         out.append("")
     else:
@@ -225,7 +225,7 @@ def _cell(entry: Mapping[str, Any]) -> str:
     if entry.get("source") == "census":
         return f"{entry['change']:+.1%} ({_num(entry['baseline'])} -> {_num(entry['final'])} MB, census) {entry['verdict']}"
     lo, hi = entry["interval"]
-    return (f"paired estimate {entry['change']:+.1%} [95%: {lo:+.1%}, {hi:+.1%}], band ±{entry['band']:.1%}, "
+    return (f"paired estimate {entry['change']:+.1%} [95%: {lo:+.1%}, {hi:+.1%}], threshold ±{entry['band']:.1%}, "
             f"medians {_num(entry.get('baseline_median'))} -> {_num(entry.get('final_median'))}: {entry['verdict']}")
 
 

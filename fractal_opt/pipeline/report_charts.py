@@ -58,7 +58,8 @@ def waterfalls(trace: Trace, steps: list[tuple[str, Step]], policy: Policy) -> l
 
     A step's bar runs from the kept plan's value in its own comparison (``value / (1 + change)``)
     to the step's value: solid when kept, hollow when rolled back. The grey band around the start
-    of each bar is the noise band the verdict used; a change inside it counts as no change.
+    of each bar is the threshold the verdict used (the step's interval half-width, at least min_effect;
+    not the A/A calibration's noise); a change inside it counts as no change.
     """
     if not trace.baseline:
         return []
@@ -67,7 +68,7 @@ def waterfalls(trace: Trace, steps: list[tuple[str, Step]], policy: Policy) -> l
     if not layers:
         return []
     out += ["<h2>Objective per layer</h2>", ('<p class="note">Each layer is judged on its own objective. From the baseline, through every measured '
-            "step of the layer (solid: kept, hollow: rolled back; the grey band is the step's noise band), to the final plan. Later layers can "
+            "step of the layer (solid: kept, hollow: rolled back; the grey band is the step's threshold: its interval half-width, at least min_effect), to the final plan. Later layers can "
             "move a layer's objective too (the last bar). The first and last bars are the baseline and the final plan as the final "
             "confirmation measured them, the numbers under Final plan (before a confirmation: the baseline's calibration and the final "
             "plan's last step); each step's bar is from its own comparison, so the bars need not join on a noisy machine.</p>")]
@@ -131,7 +132,7 @@ def _waterfall(cols: list[dict[str, Any]], objective: str) -> str:
             before, colour = c.get("before"), COLOURS.get(c.get("status", ""), COLOURS["other"])
             if is_num(before) and is_num(c.get("band")):
                 lo, hi = max(0.0, before * (1 - c["band"])), before * (1 + c["band"])  # a band wider than 100% stops at zero: no rate is negative
-                svg.rect(x - 6, y_of(hi), w + 12, y_of(lo) - y_of(hi), fill="#999", opacity=0.25, tip=f"noise band ±{c['band']:.1%}",
+                svg.rect(x - 6, y_of(hi), w + 12, y_of(lo) - y_of(hi), fill="#999", opacity=0.25, tip=f"threshold ±{c['band']:.1%} (interval half-width, at least min_effect)",
                          extra=data_attrs(c["step"], f"bands.{objective}", c["band"]))
             if is_num(before) and is_num(v):
                 y1, y2 = sorted((y_of(before), y_of(v)))

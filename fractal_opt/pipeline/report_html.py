@@ -2,7 +2,7 @@
 
 What it shows, top to bottom: the final plan against the baseline; the tower (each step coloured
 by its verdict); per layer a waterfall of its objective from the baseline to the final plan with
-each step's noise band; decode tokens/s against the bandwidth ceiling (the roofline); TTFT / ITL /
+each step's threshold (its interval half-width, at least min_effect); decode tokens/s against the bandwidth ceiling (the roofline); TTFT / ITL /
 e2e percentiles; quality against its guards; the frontiers; the answers side by side; every step
 with its full reason and what one user got from it (:mod:`.one_user`); the noise calibration and
 the machine. It reads only what trace.json stores, so an old trace renders too.

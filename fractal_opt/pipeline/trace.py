@@ -57,7 +57,7 @@ class Step:
     reason: str
     metrics: dict[str, Any] = field(default_factory=dict)  # medians + "quality" + "spread"
     changes: dict[str, float] = field(default_factory=dict)  # relative change vs the previous kept plan
-    bands: dict[str, float] = field(default_factory=dict)  # noise band per metric used by the verdict
+    bands: dict[str, float] = field(default_factory=dict)  # threshold per metric used by the verdict (interval half-width, at least min_effect)
     plan: dict[str, Any] = field(default_factory=dict)
     census: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # build_s, warmup_s, measure_s
