@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from ..plan import Plan
     from .step_measurement import StepMeasurer
 
-__all__ = ["HEADLINE", "confirm", "failed", "final_lines", "same_plan", "unchanged"]
+__all__ = ["HEADLINE", "confirm", "drift", "failed", "final_lines", "same_plan", "unchanged"]
 
 # The numbers "final vs baseline" spells out (trace.json keeps every metric's interval). Peak
 # memory is left out: interleaving keeps both models resident, so it cannot show either plan's own.
@@ -173,6 +173,36 @@ def record(
     return {"status": status, "vs_baseline": vs, "confirmation": confirmation}
 
 
+def drift(fields: Mapping[str, Any], *, step: str, objective: str, in_step: Any, calibration: Mapping[str, Any],
+          min_effect: float) -> dict[str, Any] | None:
+    """Whether the confirmed final agrees with the step that kept it: ``confirmation.drift``.
+
+    ``in_step`` is the objective's median in that step (``step``, its label), the confirmation's
+    is the final plan's median here. They agree when their ratio is within the calibrated noise:
+    the A/A calibration's interval half-width for the metric (``calibration["resolution"]``), at
+    least ``min_effect``. A disagreement means the final plan was measured under other conditions
+    than its own step (another engine resident, the machine's load): the report says so.
+    None when either number is missing.
+    """
+    entry = ((fields.get("confirmation") or {}).get("metrics") or {}).get(objective) or {}
+    here = entry.get("final_median")
+    if not (isinstance(here, int | float) and isinstance(in_step, int | float) and in_step > 0):
+        return None
+    noise = max(min_effect, float((calibration.get("resolution") or {}).get(objective) or 0.0))
+    change = here / in_step - 1
+    return {"metric": objective, "step": step, "confirmed": here, "in_step": in_step, "change": round(change, 4),
+            "noise": round(noise, 4), "agrees": abs(change) <= noise}
+
+
+def drift_line(conf: Mapping[str, Any]) -> str | None:
+    """``drift: the final's decode_tokens_per_s is 34.0 here, 78.0 in its own step (...)``; None when it agrees."""
+    d = conf.get("drift") or {}
+    if not d or d.get("agrees", True):
+        return None
+    return (f"drift: the final plan's {d['metric']} is {_num(d['confirmed'])} here, {_num(d['in_step'])} in its own step ({d['step']}): "
+            f"{d['change']:+.1%}, beyond the calibrated noise ±{d['noise']:.1%} (A/A); the final was not measured under its step's conditions.")
+
+
 # ---------------------------------------------------------------------------- rendering
 
 def final_lines(final: Mapping[str, Any], *, markdown: bool = True) -> list[str]:
@@ -209,6 +239,8 @@ def final_lines(final: Mapping[str, Any], *, markdown: bool = True) -> list[str]
     else:
         out.append(head)
         out += [f"  {m}: {_cell(metrics[m])}" for m in rows]
+    if (line := drift_line(conf)) is not None:
+        out.append(line)
     if status == "confirmed":
         out.append(f"Confirmed: {', '.join(conf.get('objectives') or [])} better than the baseline beyond noise.")
     else:

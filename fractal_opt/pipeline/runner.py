@@ -319,6 +319,11 @@ class Pipeline:
         try:
             fields = confirm.confirm(self._steps, baseline_plan=base, final_plan=final, build=lambda plan: self._build(plan, machine)[0],
                                      objectives=objectives, weight_mb=(self._trace.baseline.metrics.get("weight_mb"), self.kept.weight_mb))
+            last = kept[-1]  # the step that kept the final plan: does the confirmation agree with it?
+            objective = self.recipe.policy.objective_for(Layer.from_name(last.layer))
+            if (d := confirm.drift(fields, step=f"{last.layer}/{last.pass_name}", objective=objective, in_step=last.metrics.get(objective),
+                                   calibration=self._trace.calibration, min_effect=self.recipe.policy.min_effect)) is not None:
+                fields["confirmation"]["drift"] = d
         except (Exception, MemoryError) as e:  # the steps stand; only the final comparison is missing
             fields = confirm.failed(e)
             self.progress(f"final: the confirmation failed ({fields['confirmation']['error'][:120]})")

@@ -172,3 +172,46 @@ def test_a_plan_equal_to_the_baseline_but_for_its_history_is_the_baseline():
     assert confirm.same_plan(base, again) and not confirm.same_plan(base, base.replace_section("hardware", dtype="bfloat16"))
     lines = confirm.final_lines({"kept": ["hardware/dtype"], **confirm.unchanged()})
     assert lines == ["Final plan: the baseline's settings (kept: hardware/dtype, which together change nothing); nothing changed."]
+
+
+class SlowedEngine(FakeEngine):
+    """A fake engine whose bfloat16 plan decodes ``slowdown[0]`` times slower once set: the final
+    plan meeting other conditions in the confirmation than in its own step (another engine resident)."""
+
+    slowdown = [1.0]
+
+    def serve(self, requests, **kwargs):
+        nominal = self.per_token_s
+        if self.plan.hardware.dtype == "bfloat16":
+            self.per_token_s = nominal * self.slowdown[0]
+        try:
+            return super().serve(requests, **kwargs)
+        finally:
+            self.per_token_s = nominal
+
+
+def test_a_final_slower_in_the_confirmation_than_in_its_own_step_is_reported_as_drift(fake_model, tmp_path):
+    """The kept bfloat16 plan decodes half as fast in the confirmation as in its step: report.md and
+    the terminal lines say "drift: ..." with both numbers; nothing is said when they agree."""
+    factory = SlowedEngine.factory(per_token_ms=2.0, speed={"hardware.dtype": {"bfloat16": 1.5}})
+    base_builds = []
+
+    def build(plan, **kwargs):
+        if plan.hardware.dtype != "bfloat16":
+            base_builds.append(plan)
+            SlowedEngine.slowdown[0] = 2.0 if len(base_builds) > 1 else 1.0  # the baseline rebuilt: the confirmation
+        return factory(plan, **kwargs)
+
+    recipe = load_recipe(_bf16_recipe(fake_model, repeats=3), check_model=False)
+    try:
+        result = Pipeline(recipe, out_dir=tmp_path, progress=False, machine=cpu_machine(), build=build, refuse=FakeEngine.refuse, limits=LIMITS).run()
+    finally:
+        SlowedEngine.slowdown[0] = 1.0
+    assert [s.status for s in result.trace.steps] == ["kept"], result.trace.steps[0].reason
+    d = result.trace.final["confirmation"]["drift"]
+    assert not d["agrees"] and d["change"] == pytest.approx(-0.5, abs=0.1), d
+    line = f"drift: the final plan's decode_tokens_per_s is {confirm._num(d['confirmed'])} here, {confirm._num(d['in_step'])} in its own step (hardware/dtype)"
+    assert line in (tmp_path / "report.md").read_text()
+    assert any(t.startswith(line) for t in confirm.final_lines(result.trace.final, markdown=False))
+    agreeing = {**result.trace.final, "confirmation": {**result.trace.final["confirmation"], "drift": {**d, "agrees": True}}}
+    assert not any("drift:" in t for t in confirm.final_lines(agreeing, markdown=False))
