@@ -217,13 +217,7 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
         found.add(f"{where}: {path}: got {value!r}, expected a finite number.")
     with found.collect(f"{where}: "):
         quality = build(QualityConfig, data.get("quality"), where=f"{where}: quality")
-    eval_requests: list[Request] = []
-    if quality is not None and isinstance(model, str):
-        from .quality.evals import eval_set_name, load_eval_set
-
-        if eval_set := eval_set_name(quality.eval, model):  # "auto": basics for an embedded model
-            with found.collect(f"{where}: "):
-                eval_requests = [item.request for item in load_eval_set(eval_set)]  # before any model loads
+    eval_requests = _eval_requests(quality, model, found, where=where)
     passes = _parse_passes(data.get("passes"), where=f"{where}: passes", found=found)
     targets = None
     with found.collect(f"{where}: "):
@@ -242,6 +236,20 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
     found.raise_if_any()
     assert isinstance(model, str) and workload and policy and quality and targets is not None
     return Recipe(model=model, workload=workload, policy=policy, quality=quality, passes=passes, name=name, targets=targets, machine=price)
+
+
+def _eval_requests(quality: QualityConfig | None, model: Any, found: Problems, *, where: str) -> list[Request]:
+    """The eval set's requests, loaded (and so validated) before any model loads; ``auto`` is
+    resolved here (basics for an embedded model)."""
+    if quality is None or not isinstance(model, str):
+        return []
+    from .quality.evals import eval_set_name, load_eval_set
+
+    if not (eval_set := eval_set_name(quality.eval, model)):
+        return []
+    with found.collect(f"{where}: "):
+        return [item.request for item in load_eval_set(eval_set)]
+    return []  # the set was refused: found holds why
 
 
 def _non_finite(value: Any, path: str):

@@ -87,8 +87,7 @@ class Pipeline:
         self.machine, self.runtimes = machine, runtimes or RUNTIMES
         self.build = build or self.runtimes.build
         self.refuse = refuse or self.runtimes.refuse
-        # wait_quiet: seconds the calibration may wait for other work to leave the CPU (0 = no wait)
-        self.limits, self.stop_at_target, self.wait_quiet = limits, stop_at_target, wait_quiet
+        self.limits, self.stop_at_target, self.wait_quiet = limits, stop_at_target, wait_quiet  # wait_quiet: seconds the calibration may wait for a quiet CPU
         self.quality = StepQuality(self.recipe, progress=self.progress)  # loads the eval set and probes: bad ones fail before any model loads
         # The state of one run, set by run(): the kept state, and what measures and records it.
         self.kept = Kept(plan=self.recipe.base_plan())
@@ -390,15 +389,12 @@ def optimize(recipe: Recipe | str | Path | dict, *, out: str | Path | None = Non
     Example:
         >>> import fractal_opt
         >>> result = fractal_opt.optimize("recipes/quickstart.yaml", out="fractal-out")  # doctest: +SKIP
-        >>> result.plan.scheduling.batching                                              # doctest: +SKIP
-        'static'
+        >>> result.plan.hardware.runtime                                                 # doctest: +SKIP
     """
     quiet_third_party()  # load bars and import-time warnings would bury the progress line (as in the CLI)
     return Pipeline(recipe, out_dir=out, progress=progress, stop_at_target=stop_at_target, wait_quiet=wait_quiet, resume=resume, force=force,
                     runtimes=runtimes).run()
 
 
-def _clip(text: str, width: int) -> str:
-    """``text`` cut at a word boundary to at most ``width`` characters, ending "… [report.md]" when
-    cut: the progress line stays one screen line, and the whole reason is in the report."""
+def _clip(text: str, width: int) -> str:  # a progress line stays one screen line; the whole reason is in the report
     return clip(text, width, tail=" … [report.md]", words=True)
