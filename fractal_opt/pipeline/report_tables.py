@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from .trace import Step
+Step = Any  # pipeline.trace.Step (not imported: trace imports this module)
 
 __all__ = ["guard_lines", "load_table", "work_table"]
 
