@@ -141,6 +141,8 @@ def main() -> int:
         tput = {name: m.median("throughput_tokens_per_s") for name, m in measured.items()}
         tuned = max(candidates, key=lambda n: tput[n] or 0.0)
         best_tf = max(tf, key=lambda n: tput[n] or 0.0)
+        # The measured part, logged before the capacity searches (the longest part): a run cut short keeps it.
+        log("measured: " + json.dumps({"throughput_tokens_per_s": tput, "ttft_by_turn": {n: ttft_by_turn(m) for n, m in measured.items()}}))
         for name in list(engines):
             if name not in (tuned, best_tf):
                 engines.pop(name).close()
