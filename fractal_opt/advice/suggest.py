@@ -230,6 +230,8 @@ def _candidates(summary: dict[str, Any], roof: dict[str, Any], labels: dict[str,
                "bandwidth": f"decode is bandwidth-bound{used}: llama.cpp reads the GGUF file's 4-8-bit weights, not float32",
                "unknown": f"{unknown}: llama.cpp attacks both the per-token overhead and the bytes (the GGUF's own 4-8-bit weights)"}[decode]
         add("runtime", {"backend": "llama_cpp"}, why)
+        add("runtime", {"backend": "llama_cpp", "dtype": "bfloat16"},
+            "the same weights widened to BF16 on llama.cpp: where the GGUF's own quantized kernels change answers (the quality guards refuse them), this keeps them")
         if not gpu and "avx512f" in machine.cpu_flags:
             # The xllamacpp wheel's CPU kernels are AVX2 only (docs/runtimes.md, "A llama.cpp built for this CPU").
             bf16 = " and AVX512_BF16 (then try dtype bfloat16 on it)" if machine.cpu_native_bf16 else ""

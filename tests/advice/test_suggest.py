@@ -87,14 +87,15 @@ def test_bad_target_argument():
 
 def test_a_gguf_model_on_an_avx512_cpu_gets_the_native_llama_cpp_build_too():
     """The xllamacpp wheel's kernels are AVX2 only: on a CPU with AVX-512 the llama.cpp runtime is
-    suggested twice, the second time as the build for this CPU, with the make target in its why."""
+    suggested as the GGUF's kernels, then on BF16 weights, then as the build for this CPU, with the make target in its why."""
     from fractal_opt.advice.suggest import _candidates
 
     labels = {"decode": "overhead", "prefill": "compute"}
     avx512 = cpu_machine(cpu_flags=frozenset({"avx512f", "avx512_bf16"}))
     found = [(s.p.name, s.written) for s in _candidates({}, {}, labels, avx512, "cpu", "gguf")]
-    assert found[:2] == [("runtime", {"backend": "llama_cpp"}), ("runtime", {"backend": "llama_cpp", "path": "native"})]
-    why = _candidates({}, {}, labels, avx512, "cpu", "gguf")[1].why
+    assert found[:3] == [("runtime", {"backend": "llama_cpp"}), ("runtime", {"backend": "llama_cpp", "dtype": "bfloat16"}),
+                         ("runtime", {"backend": "llama_cpp", "path": "native"})]
+    why = _candidates({}, {}, labels, avx512, "cpu", "gguf")[2].why
     assert "make setup-llama-native" in why and "AVX512_BF16" in why
     avx2 = [(s.p.name, s.written) for s in _candidates({}, {}, labels, cpu_machine(cpu_flags=frozenset({"avx2"})), "cpu", "gguf")]
     assert ("runtime", {"backend": "llama_cpp", "path": "native"}) not in avx2

@@ -133,7 +133,7 @@ def test_int4_on_the_embedded_model_is_rolled_back_by_the_kl_guard():
     recipe = {
         "model": "smollm2-135m-instruct",
         "workload": {"limit": 1, "max_new_tokens": 4, "repeats": 1},
-        "quality": {"reference_tokens": 256},
+        "quality": {"reference_tokens": 256, "eval": None},
         "passes": {"model": [{"quantize": {"bits": 4, "backend": "torchao"}}]},
     }
     result = fractal_opt.optimize(recipe, progress=False)
