@@ -53,7 +53,9 @@ class StepQuality:
             self.progress(f"{label}: KL / perplexity on the reference text")
             self._model_probes[key] = model_probes(self.reference, engine)
         out: dict[str, Any] = {**self._model_probes[key], **agreement(self.reference, m.outputs, cap=engine.plan.application.max_new_tokens)}
-        out.update(_answers(engine, m.outputs))  # the side-by-side answers (report_answers.py)
+        if is_baseline:  # its tokenizer decodes the answers of runtimes that keep only ids (llama.cpp: the same vocabulary)
+            self._decode = _decoder(engine)
+        out.update(_answers(engine, m.outputs, getattr(self, "_decode", None)))  # the side-by-side answers (report_answers.py)
         if is_baseline:
             out["prompts"] = {r.id: r.messages[-1][1] for r in requests}
         if self.eval_items:
@@ -76,9 +78,18 @@ class StepQuality:
         return out
 
 
-def _answers(engine: Engine, outputs: dict[str, list[int]]) -> dict[str, Any]:
-    """The workload's greedy answers as text, for the reports; none from an engine that cannot decode ids."""
+def _decoder(engine: Engine) -> Any:
+    """The baseline's own detokenizer, kept past the engine's close (None when it has none to lend)."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    return (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None
+
+
+def _answers(engine: Engine, outputs: dict[str, list[int]], fallback: Any = None) -> dict[str, Any]:
+    """The workload's greedy answers as text, for the reports: the engine's decode, else the
+    baseline's tokenizer; none when neither can."""
     try:
         return {"answers": {rid: engine.decode(ids) for rid, ids in outputs.items()}}
     except NotImplementedError:
-        return {}
+        if fallback is None:
+            return {}
+        return {"answers": {rid: fallback(ids).strip() for rid, ids in outputs.items()}}
