@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import RecipeError
-from .workload import Request
+from .request import Request
 
 __all__ = ["Conversation", "is_conversation_data", "load_conversations"]
 

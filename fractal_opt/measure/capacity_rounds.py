@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import EngineError
 from .capacity import CapacitySearch
 from .conversation_load import by_turn, run_conversations
-from .conversation_rounds import as_generation, load_readings
+from .load_readings import as_generation, load_readings
 from .load import build_items, run_load
 from .metrics import Sample
 

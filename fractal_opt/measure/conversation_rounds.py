@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import EngineError
 from .conversation_load import by_turn, run_conversations
-from .load import LoadRecord, LoadResult
-from .metrics import PERCENTILE_METRICS, Sample
+from .load_readings import as_generation, load_readings
+from .metrics import Sample
 
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
@@ -78,22 +78,3 @@ class ConversationRounds:
         turns = sum(len(self.conversations[u % len(self.conversations)].turns[: p.turns or None]) for u in range(self.users))
         return {"load": {"mode": "conversations", "clients": self.users, "requests": turns, "users": self.users, "turns": p.turns, "think_s": p.think_s, "history": p.history,
                          "conversations": len(self.conversations), "rounds": list(self.rounds), "by_turn": by_turn(self.records)}}
-
-
-def load_readings(result: LoadResult) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A load round's readings (percentiles as callers saw them, counts, goodput) and its counts."""
-    summary = result.summary()
-    counts = {k: summary[k] for k in ("requests", "done", "timeout", "cancelled", "rejected", "error", "output_tokens", "slo_met") if k in summary}
-    readings: dict[str, Any] = {k: summary[k] for k in PERCENTILE_METRICS}
-    readings["load"] = counts
-    readings["goodput_tokens_per_s"] = summary.get("goodput_tokens_per_s")  # None unless the profile sets an SLO
-    return readings, counts
-
-
-def as_generation(rec: LoadRecord) -> Any:
-    """A load record as the Generation a Sample is made from (TTFT replaced by the caller's own)."""
-    from ..engine.protocol import Generation
-
-    return Generation(request_id=rec.id, text=rec.text, token_ids=rec.token_ids, prompt_tokens=rec.prompt_tokens, t_submit=rec.t_submit,
-                      t_prefill_start=rec.t_start if rec.t_start is not None else rec.t_submit, token_times=rec.token_times,
-                      hit_cap=len(rec.token_ids) >= rec.max_new_tokens)

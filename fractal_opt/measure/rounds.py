@@ -25,14 +25,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import EngineError
-from .load import LoadRecord, build_items, run_load
+from .load import build_items, run_load
+from .load_readings import as_generation, load_readings
 from .metrics import PERCENTILE_METRICS, Measurement, Sample
 
 if TYPE_CHECKING:
-    from ..engine.protocol import Engine, Generation
+    from ..engine.protocol import Engine
     from ..workload import Request, Workload
 
-__all__ = ["LoadRounds", "Round", "Rounds", "SuiteRounds", "rounds_for"]
+__all__ = ["LoadRounds", "Round", "Rounds", "SuiteRounds"]
 
 _WARMUP_TOKENS = 8  # budget of the untimed warm-up requests (every prompt shape through the kernels)
 
@@ -128,14 +129,10 @@ class LoadRounds:
         errors = [rec for rec in result.records if rec.status == "error"]
         if errors:
             raise EngineError(f"{len(errors)} of {len(result.records)} requests failed under load ({self.clients} clients): {errors[0].error}")
-        summary = result.summary()
-        counts = {k: summary[k] for k in ("requests", "done", "timeout", "cancelled", "rejected", "error", "output_tokens", "slo_met") if k in summary}
+        readings, counts = load_readings(result)
         self.rounds.append(counts)
-        readings: dict[str, Any] = {k: summary[k] for k in PERCENTILE_METRICS}  # as callers saw them (LoadResult.summary)
-        readings["load"] = counts
-        readings["goodput_tokens_per_s"] = summary.get("goodput_tokens_per_s")  # None unless the profile sets an SLO
         done = [rec for rec in result.records if rec.status == "done"]
-        samples = [dataclasses.replace(Sample.from_generation(_as_generation(rec), repeat=repeat), ttft_ms=rec.ttft_ms) for rec in done]  # TTFT as the caller saw it
+        samples = [dataclasses.replace(Sample.from_generation(as_generation(rec), repeat=repeat), ttft_ms=rec.ttft_ms) for rec in done]  # TTFT as the caller saw it
         return Round(samples=samples, wall_s=result.wall_s, output_tokens=result.output_tokens(),
                      outputs={rec.id: list(rec.token_ids) for rec in done}, texts={rec.id: rec.text for rec in done}, readings=readings)
 
@@ -148,27 +145,3 @@ class LoadRounds:
     def extra(self) -> dict[str, Any]:
         return {"load": {"mode": self.profile.mode, "clients": self.clients, "requests": len(self.items),
                          "rate": self.profile.rate, "rounds": list(self.rounds)}}
-
-
-def _as_generation(rec: LoadRecord) -> Generation:
-    from ..engine.protocol import Generation
-
-    return Generation(request_id=rec.id, text=rec.text, token_ids=rec.token_ids, prompt_tokens=rec.prompt_tokens, t_submit=rec.t_submit,
-                      t_prefill_start=rec.t_start if rec.t_start is not None else rec.t_submit, token_times=rec.token_times, hit_cap=len(rec.token_ids) >= rec.max_new_tokens,
-                      cache_hit=rec.cache_hit, prompt_tokens_saved=rec.prompt_tokens_saved)
-
-
-def rounds_for(engine: Engine, workload: Workload, requests: Sequence[Request]) -> Rounds:
-    """The source a workload asks for: its ``load`` profile through a server (conversations
-    replayed turn by turn, or single requests), else the suite."""
-    if getattr(workload, "load", None):
-        if workload.load_profile().capacity:
-            from .capacity_rounds import CapacityRounds
-
-            return CapacityRounds(engine, workload, requests)
-        if workload.load_profile().mode == "conversations":
-            from .conversation_rounds import ConversationRounds
-
-            return ConversationRounds(engine, workload, requests)
-        return LoadRounds(engine, workload, requests)
-    return SuiteRounds(engine, workload, requests)

@@ -38,7 +38,7 @@ from ..threads import raise_in
 from .cost import RaplWindow, cost_readings
 from .memory import GpuMonitor, MemoryWindow
 from .metrics import METRICS, PER_REPEAT, Measurement, Sample, capacity_mb, round_readings
-from .rounds import Rounds, rounds_for
+from .rounds import LoadRounds, Rounds, SuiteRounds
 
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
@@ -269,3 +269,20 @@ def paired_changes(before: Measurement, after: Measurement, metrics: Sequence[st
         if interval is not None:
             out[metric] = interval
     return out
+
+
+def rounds_for(engine: Engine, workload: Workload, requests: Sequence[Request]) -> Rounds:
+    """The source a workload asks for: its ``load`` profile through a server (the capacity search,
+    conversations replayed turn by turn, or single requests), else the suite. Here, above every
+    round source, so that none of them imports another's module."""
+    if getattr(workload, "load", None):
+        if workload.load_profile().capacity:
+            from .capacity_rounds import CapacityRounds
+
+            return CapacityRounds(engine, workload, requests)
+        if workload.load_profile().mode == "conversations":
+            from .conversation_rounds import ConversationRounds
+
+            return ConversationRounds(engine, workload, requests)
+        return LoadRounds(engine, workload, requests)
+    return SuiteRounds(engine, workload, requests)
