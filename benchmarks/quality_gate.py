@@ -8,8 +8,9 @@ measures it (quality.probes.model_probes for KL, agreement with the baseline's g
 the quickstart workload, then, for a change still standing, the packaged basics eval with lost /
 gained questions) and judged by the default policy (fractal_opt.policy.Policy: the default guards, nothing set by this script). Speed
 is not measured: every candidate is given the same clear speed gain (its layer's objective 2x
-better), so each verdict is the quality gate's alone and this benchmark runs in ~15 minutes rather
-than hours.
+better), so each verdict is the quality gate's alone, and no speed rounds are spent (on the 2-core
+AMD EPYC the baseline and the four harmless changes on transformers and llama.cpp took 5 minutes at
+load average 0.5-1.8; int4 quanto alone took over 8 minutes under load, docs/quality.md).
 
 Harmful (must be rolled back): int4 weights with no skip list, a 2-bit KV cache, another model
 family's chat template, a context cap that cuts the long prompts, a sampling temperature leaking

@@ -23,8 +23,9 @@ from .metrics import Sample
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
     from ..workload import Request, Workload
+    from .load import LoadRecord
 
-__all__ = ["ConversationRounds", "as_generation", "load_readings"]
+__all__ = ["ConversationRounds"]
 
 _WARMUP_TOKENS = 8  # the warm-up's budget per turn (every prompt shape through the kernels, briefly)
 
