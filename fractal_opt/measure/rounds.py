@@ -31,11 +31,36 @@ from .metrics import PERCENTILE_METRICS, Measurement, Sample
 
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
-    from ..workload import Request, Workload
+    from ..plan import Plan
+    from ..workload import LoadProfile, Request, Workload
 
-__all__ = ["LoadRounds", "Round", "Rounds", "SuiteRounds"]
+__all__ = ["LoadRounds", "Round", "Rounds", "SuiteRounds", "offered_clients"]
 
 _WARMUP_TOKENS = 8  # budget of the untimed warm-up requests (every prompt shape through the kernels)
+
+
+def offered_clients(workload: Workload, plan: Plan) -> int | None:
+    """The clients a closed load profile offers ``plan`` when nothing overrides them.
+
+    A concurrency ramp raises the offered load with the plan (``scheduling.max_concurrency``): a
+    plan that admits 16 requests at once is offered 16 clients even when the profile says 8, so
+    that the ramp's level is what the step measures. Two plans may therefore be offered different
+    loads; :class:`LoadRounds` takes ``clients`` to offer both the same (the final confirmation).
+    None when the offered load does not depend on the plan: no load profile (the suite), poisson
+    arrivals (their ``rate``), the conversations load (its ``users``) and the capacity search (its
+    own levels).
+    """
+    if not getattr(workload, "load", None):
+        return None
+    profile = workload.load_profile()
+    if profile.capacity or profile.mode != "closed":
+        return None
+    return _plan_clients(profile, plan)
+
+
+def _plan_clients(profile: LoadProfile, plan: Plan) -> int:
+    """The profile's clients, raised to the plan's ``max_concurrency`` (a ramp's level sets the offered load)."""
+    return max(profile.concurrency, plan.scheduling.max_concurrency or 0)
 
 
 @dataclass
@@ -105,17 +130,24 @@ class LoadRounds:
     percentiles as callers saw them, the request counts and goodput. Samples are the finished
     requests, with TTFT as the caller saw it (first token delivered).
 
+    ``clients`` is the offered load, the closed loop's clients (poisson arrivals come at the
+    profile's rate whatever it is; it caps their warm-up); default: the profile's, raised to the
+    plan's ``max_concurrency`` (:func:`offered_clients`).
+
     Raises (from ``serve`` / ``check_memory``):
         EngineError: a request failed, or the round left less than ``memory_headroom`` free.
+        ValueError: ``clients`` is not a positive whole number.
     """
 
-    def __init__(self, engine: Engine, workload: Workload, requests: Sequence[Request]):
+    def __init__(self, engine: Engine, workload: Workload, requests: Sequence[Request], *, clients: int | None = None):
+        if clients is not None and (isinstance(clients, bool) or not isinstance(clients, int) or clients < 1):
+            msg = f"clients (the offered load) must be a whole number >= 1, or None for the plan's own; got {clients!r}"
+            raise ValueError(msg)
         self.engine = engine
         self.workload = workload
         self.profile = workload.load_profile()
         self.items = build_items(list(requests), self.profile, default_tokens=workload.max_new_tokens)
-        limit = engine.plan.scheduling.max_concurrency
-        self.clients = max(self.profile.concurrency, limit or 0)  # a ramp's level sets the offered load
+        self.clients = clients if clients is not None else _plan_clients(self.profile, engine.plan)
         self.rounds: list[dict[str, Any]] = []  # per round: the request counts
 
     def warm_up(self) -> None:

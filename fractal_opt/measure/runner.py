@@ -114,10 +114,10 @@ class Runner:
         EngineError: the source's requests failed, or a load round left too little memory free.
     """
 
-    def __init__(self, engine: Engine, workload: Workload, requests: Sequence[Request]):
+    def __init__(self, engine: Engine, workload: Workload, requests: Sequence[Request], *, clients: int | None = None):
         self.engine = engine
         self.workload = workload
-        self.source: Rounds = rounds_for(engine, workload, requests)
+        self.source: Rounds = rounds_for(engine, workload, requests, clients=clients)  # clients: the offered load (None: the plan's own)
         self.device = engine.device
         self.threads = engine.threads
         self.capacity_mb = capacity_mb(engine.machine, self.device)
@@ -191,9 +191,11 @@ def measure(
     *,
     requests: Sequence[Request] | None = None,
     progress: Callable[[str], None] | None = None,
+    clients: int | None = None,
 ) -> Measurement:
-    """Warm up, then serve the suite ``workload.repeats`` times and collect every sample."""
-    runner = Runner(engine, workload, requests if requests is not None else workload.requests())
+    """Warm up, then serve the suite ``workload.repeats`` times and collect every sample
+    (``clients``: a load profile's offered load, default the plan's own, :func:`.rounds.offered_clients`)."""
+    runner = Runner(engine, workload, requests if requests is not None else workload.requests(), clients=clients)
     runner.warm_up()
     for r in range(workload.repeats):
         if progress:
@@ -212,6 +214,7 @@ def measure_pair(
     min_effect: float = 0.03,
     warm_previous: bool = True,
     progress: Callable[[str], None] | None = None,
+    clients: int | None = None,
 ) -> tuple[Measurement, Measurement]:
     """Measure two engines interleaved, round by round, so drift hits both alike.
 
@@ -220,12 +223,13 @@ def measure_pair(
     ``workload.repeats`` rounds, rounds are added two at a time (one A B / B A pair, so the order
     stays balanced) while the t interval of ``objective`` is not
     :func:`~fractal_opt.measure.noise.settled`, up to ``workload.max_repeats``. ``previous`` may be
-    the same engine as ``candidate`` (the A/A calibration).
+    the same engine as ``candidate`` (the A/A calibration). ``clients`` offers both the same load
+    under a load profile (default: each its plan's own, :func:`.rounds.offered_clients`).
     """
     from .noise import settled
 
     reqs = list(requests if requests is not None else workload.requests())
-    a, b = Runner(previous, workload, reqs), Runner(candidate, workload, reqs)
+    a, b = Runner(previous, workload, reqs, clients=clients), Runner(candidate, workload, reqs, clients=clients)
     if warm_previous:
         a.warm_up()
     b.warm_up()
@@ -271,10 +275,12 @@ def paired_changes(before: Measurement, after: Measurement, metrics: Sequence[st
     return out
 
 
-def rounds_for(engine: Engine, workload: Workload, requests: Sequence[Request]) -> Rounds:
+def rounds_for(engine: Engine, workload: Workload, requests: Sequence[Request], *, clients: int | None = None) -> Rounds:
     """The source a workload asks for: its ``load`` profile through a server (the capacity search,
     conversations replayed turn by turn, or single requests), else the suite. Here, above every
-    round source, so that none of them imports another's module."""
+    round source, so that none of them imports another's module. ``clients`` sets the closed or
+    poisson load's offered clients (the conversations' users and the capacity search's levels are
+    the profile's own, whatever the plan)."""
     if getattr(workload, "load", None):
         if workload.load_profile().capacity:
             from .capacity_rounds import CapacityRounds
@@ -284,5 +290,5 @@ def rounds_for(engine: Engine, workload: Workload, requests: Sequence[Request]) 
             from .conversation_rounds import ConversationRounds
 
             return ConversationRounds(engine, workload, requests)
-        return LoadRounds(engine, workload, requests)
+        return LoadRounds(engine, workload, requests, clients=clients)
     return SuiteRounds(engine, workload, requests)
