@@ -174,18 +174,24 @@ class Pipeline:
         # measurement alike (baseline included) and cannot masquerade as a pass's memory cost.
         say("baseline: scoring the reference text")
         self._enter("baseline: reference")
+        t0 = time.perf_counter()
         self.quality.score_reference(engine)
+        spent = {"reference_s": round(time.perf_counter() - t0, 2)}  # where the baseline's time went (report.md), as a step's timings
         watch = sorted({recipe.policy.objective_for(p.layer) for p in recipe.passes} or {"decode_tokens_per_s"})  # what the verdicts will judge
         self._enter("baseline: measure")
+        t0 = time.perf_counter()
         current, trace.calibration = self._steps.calibrate(engine, "baseline (A/A calibration, interleaved)", watch=watch)
+        spent["measure_s"] = round(time.perf_counter() - t0, 2)
         self.quality.reference.outputs = current.outputs
         self._enter("baseline: quality")
+        t0 = time.perf_counter()
         quality = self.quality.score(engine, current, "baseline", requests=self._requests, is_baseline=True)
+        spent["quality_s"] = round(time.perf_counter() - t0, 2)
         checkpoint()  # a baseline past its deadline leaves the trace alone (the runner records the timeout)
         census = engine.census()
         trace.baseline = Step(pass_name="baseline", layer="-", params={}, status="baseline", reason=records.plan_text(plan),
                               metrics=self._metrics(current, quality), plan=plan.to_dict(), census=census,
-                              timings={**timings, "warmup_s": round(current.warmup_s, 2)})
+                              timings={**timings, "warmup_s": round(current.warmup_s, 2), **spent})
         trace.baseline.metrics["roofline"] = self._steps.roofline(engine, current)
         self.kept = Kept(plan=plan, measurement=current, quality=quality, census=census)
         trace.baseline.metrics["weight_mb"] = self.kept.weight_mb

@@ -90,7 +90,9 @@ def attempt(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, ke
         kept = dataclasses.replace(kept, measurement=cmp.before)  # the previous plan, measured afresh beside the candidate
         step.timings.update(warmup_s=round(cmp.after.warmup_s, 2), measure_s=round(time.perf_counter() - t0, 2))
         env.enter("quality")
+        t0 = time.perf_counter()
         quality = env.quality(engine, cmp.after, label)
+        step.timings["quality_s"] = round(time.perf_counter() - t0, 2)  # the probes' and eval's time (report: where the time went)
         if (p.layer is Layer.SCHEDULING or "path_agreement" in {g.metric for g in env.recipe.policy.guards_for(p.layer)}) \
                 and not candidate.application.do_sample:
             # Path equivalence: the share of greedy answers a serving path leaves token-identical,
