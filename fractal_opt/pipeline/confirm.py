@@ -18,6 +18,13 @@ kept the final plan is the baseline: nothing is measured and no change is printe
 - ``not_confirmed``: measured again; some kept layer's objective did not (the note says which).
 - ``failed``: the confirmation could not run (the error is kept); no final-vs-baseline numbers.
 
+Both plans are offered the same load. Under a closed load profile a plan's offered load follows its
+``max_concurrency`` (a concurrency search settles on 16 clients where the profile, and so the
+baseline, has 8: :func:`~fractal_opt.measure.rounds.offered_clients`); then both plans are measured
+at the final plan's load, the headline "final vs baseline" (what the user will run), and again at
+the baseline's, shown beside it (``confirmation.at_loads``, each labelled "at N clients"). The drift
+check compares the headline's final with its own step, which measured it at that same load.
+
 When the two plans do not fit in memory together (the step measurer's own rule), they are measured
 one after the other instead, and the band includes twice the calibration's A/A drift, as a
 back-to-back step's does.
@@ -25,12 +32,14 @@ back-to-back step's does.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..measure.metrics import METRICS, Measurement
 from ..measure.noise import band
+from ..measure.rounds import offered_clients
 from ..measure.runner import measure, measure_pair, paired_changes
 from ..text import fmt
 
@@ -39,7 +48,7 @@ if TYPE_CHECKING:
     from ..plan import Plan
     from .step_measurement import StepMeasurer
 
-__all__ = ["HEADLINE", "confirm", "drift", "failed", "final_lines", "same_plan", "unchanged"]
+__all__ = ["HEADLINE", "confirm", "drift", "failed", "final_lines", "offered_loads", "same_plan", "unchanged"]
 
 # The numbers "final vs baseline" spells out (trace.json keeps every metric's interval). Peak
 # memory is left out: interleaving keeps both models resident, so it cannot show either plan's own.
@@ -76,6 +85,11 @@ def confirm(
 ) -> dict[str, Any]:
     """Measure ``final_plan`` against ``baseline_plan`` after the last step; ``trace.final``'s fields.
 
+    Both plans are offered the same load. When the two plans would be offered different loads
+    (a concurrency search raised the final plan's clients, :func:`offered_loads`), both are
+    measured at the final plan's load (the headline: what the user will run) and again at the
+    baseline's (``confirmation.at_loads`` holds both, labelled).
+
     Args:
         steps: the run's step measurer: its fit rule decides interleaved or back to back, its
             engine of the kept plan is reused, and its workload, requests, ``min_effect`` and
@@ -88,41 +102,124 @@ def confirm(
     """
     objectives = list(dict.fromkeys(objectives))
     objective = objectives[-1] if objectives else "decode_tokens_per_s"
-    say = steps.say
-
-    def progress(m: str) -> None:
-        say(f"{label}: measuring, {m}")
-
+    loads = offered_loads(steps.workload, baseline_plan, final_plan)
+    clock = _Clock()
     mode = steps.before_build(baseline_plan, final_plan)  # keeps the final plan's engine resident when both fit
     if mode == "interleaved":
-        final_engine = steps.previous if steps.previous is not None else build(final_plan)
-        say(f"{label}: loading the baseline again")
-        base_engine = build(baseline_plan)
-        try:
-            before, after = measure_pair(base_engine, final_engine, steps.workload, requests=steps.requests, objective=objective,
-                                         min_effect=steps.min_effect, warm_previous=True, progress=progress)
-        finally:
-            if base_engine is not final_engine:
-                base_engine.close()
+        pairs = _interleaved(steps, baseline_plan, final_plan, build, loads, objective=objective, label=label, clock=clock)
         drift: Mapping[str, float] = {}
         note = "baseline and final plan measured again after the last step, interleaved (A B / B A)"
     else:
-        before = _alone(build, baseline_plan, steps, progress)
-        after = _alone(build, final_plan, steps, progress)
+        pairs = _back_to_back(steps, baseline_plan, final_plan, build, loads, label=label, clock=clock)
         drift = steps.calibration
         note = ("baseline and final plan did not fit in memory together: measured again one after the other; "
                 "the band includes 2 x the A/A drift")
-    return record(before, after, mode=mode, note=note, objectives=objectives, min_effect=steps.min_effect, drift=drift, weight_mb=weight_mb)
+    same = {"mode": mode, "objectives": objectives, "min_effect": steps.min_effect, "drift": drift, "weight_mb": weight_mb}
+    labelled = len(loads) > 1  # one load: the note is as it always was
+    fields = [record(before, after, note=note + (_at(clients, whose) if labelled else ""), **same)
+              for (before, after), (clients, whose) in zip(pairs, _whose(loads))]
+    head = fields[0]
+    conf = head["confirmation"]
+    if loads[0] is not None:
+        conf["clients"] = loads[0]
+    if len(loads) > 1:
+        conf["at_loads"] = [_at_load(f, clients, whose, headline=i == 0) for i, (f, (clients, whose)) in enumerate(zip(fields, _whose(loads)))]
+    conf["timings"] = clock.timings()
+    return head
 
 
-def _alone(build: Callable[[Plan], Engine], plan: Plan, steps: StepMeasurer, progress: Callable[[str], None]) -> Measurement:
-    """Build ``plan``, measure it on its own, and release it (so the next plan has the memory)."""
-    engine = build(plan)
+def offered_loads(workload: Any, baseline_plan: Plan, final_plan: Plan) -> list[int | None]:
+    """The offered loads the confirmation measures both plans at: the final plan's first (the
+    headline), then the baseline's when it differs (:func:`~fractal_opt.measure.rounds.offered_clients`).
+    ``[None]`` when the load does not depend on the plan (the suite, poisson, conversations, capacity)."""
+    final, base = offered_clients(workload, final_plan), offered_clients(workload, baseline_plan)
+    return [final] if final == base else [final, base]
+
+
+def _whose(loads: list[int | None]) -> list[tuple[int | None, str]]:
+    """Each load with whose it is: the final plan's offered load first, then the baseline's."""
+    if len(loads) == 1:
+        return [(loads[0], "both plans' offered load")]
+    return [(loads[0], "the final plan's offered load"), (loads[1], "the baseline's offered load")]
+
+
+def _at(clients: int | None, whose: str) -> str:
+    """The note's load: ``", at 16 clients (the final plan's offered load)"``; "" without a closed load."""
+    return "" if clients is None else f", at {clients} clients ({whose})"
+
+
+def _at_load(fields: Mapping[str, Any], clients: int | None, whose: str, *, headline: bool) -> dict[str, Any]:
+    """One entry of ``confirmation.at_loads``: the comparison at one offered load, labelled."""
+    conf = fields["confirmation"]
+    entry = {"clients": clients, "label": f"at {clients} clients", "whose": whose, "headline": headline, "status": fields["status"],
+             "rounds": conf["rounds"], "metrics": conf["metrics"]}
+    if "not_confirmed" in conf:
+        entry["not_confirmed"] = conf["not_confirmed"]
+    return entry
+
+
+class _Clock:
+    """The confirmation's own time, split like a step's (``confirmation.timings``): build and measure seconds."""
+
+    def __init__(self) -> None:
+        self.build_s = 0.0
+        self.measure_s = 0.0
+
+    def build(self, build: Callable[[Plan], Engine], plan: Plan) -> Engine:
+        t0 = time.perf_counter()
+        try:
+            return build(plan)
+        finally:
+            self.build_s += time.perf_counter() - t0
+
+    def measure(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.measure_s += time.perf_counter() - t0
+
+    def timings(self) -> dict[str, float]:
+        return {"build_s": round(self.build_s, 2), "measure_s": round(self.measure_s, 2)}
+
+
+def _interleaved(steps: StepMeasurer, baseline_plan: Plan, final_plan: Plan, build: Callable[[Plan], Engine], loads: list[int | None], *,
+                 objective: str, label: str, clock: _Clock) -> list[tuple[Measurement, Measurement]]:
+    """Both plans resident, measured in the same rounds (A B / B A) at each offered load in turn."""
+    final_engine = steps.previous if steps.previous is not None else clock.build(build, final_plan)
+    steps.say(f"{label}: loading the baseline again")
+    base_engine = clock.build(build, baseline_plan)
     try:
-        return measure(engine, steps.workload, requests=steps.requests, progress=progress)
+        return [clock.measure(measure_pair, base_engine, final_engine, steps.workload, requests=steps.requests, objective=objective,
+                              min_effect=steps.min_effect, warm_previous=True, progress=_progress(steps, label, clients, len(loads)), clients=clients)
+                for clients in loads]
+    finally:
+        if base_engine is not final_engine:
+            base_engine.close()
+
+
+def _back_to_back(steps: StepMeasurer, baseline_plan: Plan, final_plan: Plan, build: Callable[[Plan], Engine], loads: list[int | None], *,
+                  label: str, clock: _Clock) -> list[tuple[Measurement, Measurement]]:
+    """Each plan built alone and measured at every offered load, then released (so the next has the memory)."""
+    before = _alone(build, baseline_plan, steps, loads, label=label, clock=clock)
+    after = _alone(build, final_plan, steps, loads, label=label, clock=clock)
+    return list(zip(before, after))
+
+
+def _alone(build: Callable[[Plan], Engine], plan: Plan, steps: StepMeasurer, loads: list[int | None], *, label: str, clock: _Clock) -> list[Measurement]:
+    """Build ``plan``, measure it on its own at each offered load, and release it."""
+    engine = clock.build(build, plan)
+    try:
+        return [clock.measure(measure, engine, steps.workload, requests=steps.requests, progress=_progress(steps, label, clients, len(loads)),
+                              clients=clients) for clients in loads]
     finally:
         engine.close()
         steps.runtimes.clear_cache()
+
+
+def _progress(steps: StepMeasurer, label: str, clients: int | None, n_loads: int) -> Callable[[str], None]:
+    at = f" at {clients} clients" if n_loads > 1 else ""
+    return lambda m: steps.say(f"{label}: measuring{at}, {m}")
 
 
 def record(
@@ -228,17 +325,13 @@ def final_lines(final: Mapping[str, Any], *, markdown: bool = True) -> list[str]
     conf = final.get("confirmation") or {}
     if status == "failed":
         return [*out, f"Final vs baseline: not measured (the confirmation failed: {conf.get('error', 'unknown error')}); no change is claimed."]
-    metrics = conf.get("metrics") or {}
     head = (f"Final vs baseline ({conf.get('note', 'measured again')}, {conf.get('rounds')} rounds; paired estimate [95% interval], "
             "medians baseline -> final):")
-    rows = [m for m in (*HEADLINE, "weight_mb") if m in metrics]
-    if markdown:
-        out += ["", head, "", "| metric | paired change [95%] | threshold (interval half-width, at least min_effect) | medians baseline -> final | verdict |", "|---|---|---|---|---|"]
-        out += [_row(m, metrics[m]) for m in rows]
-        out.append("")
-    else:
-        out.append(head)
-        out += [f"  {m}: {_cell(metrics[m])}" for m in rows]
+    out += _table(head, conf.get("metrics") or {}, markdown=markdown)
+    for other in (e for e in conf.get("at_loads") or [] if not e.get("headline")):  # the same two plans at the baseline's load, beside the headline
+        verdict = "confirmed" if other.get("status") == "confirmed" else f"not confirmed ({other.get('not_confirmed', 'no objective improved beyond noise')})"
+        out += _table(f"Beside it, {other['label']} ({other['whose']}; the same two plans, {other.get('rounds')} rounds): {verdict}:",
+                      other.get("metrics") or {}, markdown=markdown)
     if (line := drift_line(conf)) is not None:
         out.append(line)
     if status == "confirmed":
@@ -247,6 +340,15 @@ def final_lines(final: Mapping[str, Any], *, markdown: bool = True) -> list[str]
         out.append(f"Not confirmed: {conf.get('not_confirmed', 'the kept objectives did not improve beyond noise')}; "
                    "the steps' gains did not hold up when the final plan met the baseline again.")
     return out
+
+
+def _table(head: str, metrics: Mapping[str, Any], *, markdown: bool) -> list[str]:
+    """One comparison's headline metrics under ``head``: a markdown table, or indented terminal lines."""
+    rows = [m for m in (*HEADLINE, "weight_mb") if m in metrics]
+    if not markdown:
+        return [head, *(f"  {m}: {_cell(metrics[m])}" for m in rows)]
+    return ["", head, "", "| metric | paired change [95%] | threshold (interval half-width, at least min_effect) | medians baseline -> final | verdict |",
+            "|---|---|---|---|---|", *(_row(m, metrics[m]) for m in rows), ""]
 
 
 _num = partial(fmt, missing="–")  # the one number formatter, with the tables' dash for a missing value

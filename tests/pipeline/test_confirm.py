@@ -12,8 +12,10 @@ from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.measure.runner import measure_pair
 from fractal_opt.pipeline import confirm
 from fractal_opt.pipeline.runner import Pipeline
+from fractal_opt.pipeline.step_measurement import StepMeasurer
 from fractal_opt.plan import Plan
 from fractal_opt.recipe import load_recipe
+from fractal_opt.serving.server import Server
 from fractal_opt.testing import FakeEngine, cpu_machine
 from fractal_opt.workload import Workload
 
@@ -215,3 +217,127 @@ def test_a_final_slower_in_the_confirmation_than_in_its_own_step_is_reported_as_
     assert any(t.startswith(line) for t in confirm.final_lines(result.trace.final, markdown=False))
     agreeing = {**result.trace.final, "confirmation": {**result.trace.final["confirmation"], "drift": {**d, "agrees": True}}}
     assert not any("drift:" in t for t in confirm.final_lines(agreeing, markdown=False))
+
+
+# ---------------------------------------------------------------------------- the offered load
+
+class _Counting(Server):
+    """A request server that answers one ticket at a time with the engine's tokens and clock
+    readings, and notes on its engine the most requests it ever held at once (the offered load)."""
+
+    def submit(self, request, **kwargs):
+        ticket = super().submit(request, **kwargs)
+        self._held = [t for t in getattr(self, "_held", []) if not t.finished] + [ticket]
+        self._peak = max(getattr(self, "_peak", 0), len(self._held))
+        return ticket
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            ticket = self._next(0.01)
+            if ticket is not None and ticket._start(1):
+                (gen,) = self.engine.serve([ticket.request], max_new_tokens=ticket.max_new_tokens)
+                ticket._add(list(gen.token_ids), list(gen.token_times))
+                self._end(ticket, "done")
+
+    def close(self) -> None:
+        self.engine.peaks.append(getattr(self, "_peak", 0))
+        super().close()
+
+
+class LoadEngine(FakeEngine):
+    """The fake engine with a request server, so that it can be measured under a load profile."""
+
+    def decode(self, token_ids: list[int]) -> str:
+        return " ".join(map(str, token_ids))
+
+    def server(self, *, seed: int = 0, ignore_eos: bool = False) -> Server:
+        if not hasattr(self, "peaks"):
+            self.peaks: list[int] = []
+        return _Counting(self, seed=seed, ignore_eos=ignore_eos)
+
+
+def _confirm_under_load(final_plan, *, mode="interleaved"):
+    """``confirm()`` of the fake baseline against ``final_plan`` under a closed load of 2 clients;
+    the fields and the two engines built (baseline, final)."""
+    workload = Workload(suite="default", limit=3, max_new_tokens=6, repeats=2, warmup=1, load={"mode": "closed", "concurrency": 2, "requests": 4})
+    factory = LoadEngine.factory(per_token_ms=5.0, speed={"scheduling.max_concurrency": {4: 2.0}, "hardware.dtype": {"bfloat16": 2.0}})
+    built: dict[str, LoadEngine] = {}
+
+    def build(plan, **kwargs):
+        engine = built["final" if confirm.same_plan(plan, final_plan) else "baseline"] = factory(plan)
+        return engine
+
+    steps = StepMeasurer(machine=cpu_machine(), workload=workload, requests=workload.requests(), min_effect=0.05, build=build, limits=LIMITS)
+    if mode == "back_to_back":
+        steps.before_build = lambda *plans: "back_to_back"
+    fields = confirm.confirm(steps, baseline_plan=Plan(source="fake"), final_plan=final_plan, build=build, objectives=["decode_tokens_per_s"])
+    return fields, built
+
+
+def test_plans_offered_different_loads_are_compared_at_both_headline_at_the_final_plans():
+    """A final plan admitting 4 requests at once is offered 4 clients where the profile (and the
+    baseline) has 2: both plans are measured at 4 clients (the headline) and again at 2, each
+    comparison labelled; every warm-up and round of either plan held exactly the clients it was offered."""
+    fields, built = _confirm_under_load(Plan(source="fake").replace_section("scheduling", max_concurrency=4))
+    conf = fields["confirmation"]
+    assert conf["clients"] == 4
+    assert conf["note"] == "baseline and final plan measured again after the last step, interleaved (A B / B A), at 4 clients (the final plan's offered load)"
+    assert [(e["label"], e["whose"], e["headline"]) for e in conf["at_loads"]] == [
+        ("at 4 clients", "the final plan's offered load", True), ("at 2 clients", "the baseline's offered load", False)]
+    assert conf["at_loads"][0]["metrics"] == conf["metrics"]
+    # One warm-up and two rounds at 4 clients, then the same at 2, for each plan.
+    assert built["baseline"].peaks == [4, 4, 4, 2, 2, 2] and built["final"].peaks == [4, 4, 4, 2, 2, 2]
+    assert fields["status"] == "confirmed" and conf["at_loads"][1]["status"] == "confirmed"
+    assert conf["metrics"]["decode_tokens_per_s"]["change"] == pytest.approx(1.0, abs=0.15)  # the planted 2x at either load
+    assert conf["at_loads"][1]["metrics"]["decode_tokens_per_s"]["change"] == pytest.approx(1.0, abs=0.15)
+    assert fields["vs_baseline"]["decode_tokens_per_s"] == conf["metrics"]["decode_tokens_per_s"]["change"]
+    assert set(conf["timings"]) == {"build_s", "measure_s"} and conf["timings"]["measure_s"] > 0
+
+
+def test_plans_offered_the_same_load_are_compared_once_as_before():
+    """A final plan that leaves the offered load alone (bfloat16, 2 clients both): one comparison,
+    at that load, the note as before and no second load."""
+    fields, built = _confirm_under_load(Plan(source="fake").replace_section("hardware", dtype="bfloat16"))
+    conf = fields["confirmation"]
+    assert conf["note"] == "baseline and final plan measured again after the last step, interleaved (A B / B A)"
+    assert "at_loads" not in conf and conf["clients"] == 2
+    assert built["baseline"].peaks == [2, 2, 2] and built["final"].peaks == [2, 2, 2]
+    assert fields["status"] == "confirmed"
+
+
+def test_plans_measured_back_to_back_are_each_built_once_and_measured_at_both_loads():
+    """Back to back (the plans do not fit together), each plan is built once and measured at the
+    final plan's load, then at the baseline's; the headline is again at the final plan's load."""
+    fields, built = _confirm_under_load(Plan(source="fake").replace_section("scheduling", max_concurrency=4), mode="back_to_back")
+    conf = fields["confirmation"]
+    assert conf["mode"] == "back_to_back" and conf["note"].endswith(", at 4 clients (the final plan's offered load)")
+    assert [e["clients"] for e in conf["at_loads"]] == [4, 2]
+    assert built["baseline"].peaks == [4, 4, 4, 2, 2, 2] and built["final"].peaks == [4, 4, 4, 2, 2, 2]
+
+
+def test_report_and_terminal_show_the_other_load_beside_the_headline():
+    """report.md and the terminal print the headline at the final plan's load, then the comparison
+    at the baseline's load beside it, with its label and verdict."""
+    fields, _ = _confirm_under_load(Plan(source="fake").replace_section("scheduling", max_concurrency=4))
+    final = {"kept": ["scheduling/concurrency"], **fields}
+    other = fields["confirmation"]["at_loads"][1]
+    d = other["metrics"]["decode_tokens_per_s"]
+    beside = f"Beside it, at 2 clients (the baseline's offered load; the same two plans, {other['rounds']} rounds): confirmed:"
+    md = confirm.final_lines(final)
+    assert md[2].startswith("Final vs baseline (baseline and final plan measured again after the last step, interleaved (A B / B A), at 4 clients")
+    assert beside in md and md.index(beside) > md.index(next(t for t in md if t.startswith("| decode_tokens_per_s")))
+    row = f"| decode_tokens_per_s | {d['change']:+.1%} [{d['interval'][0]:+.1%}, {d['interval'][1]:+.1%}] |"
+    assert any(t.startswith(row) for t in md[md.index(beside):])
+    text = confirm.final_lines(final, markdown=False)
+    assert beside in text and f"  decode_tokens_per_s: paired estimate {d['change']:+.1%}" in text[text.index(beside) + 1]
+
+
+def test_the_offered_load_is_the_plans_own_only_under_a_closed_load():
+    """offered_loads: the final plan's first, the baseline's when it differs; one None where the
+    load does not depend on the plan (no load profile, poisson arrivals)."""
+    base, wide = Plan(source="fake"), Plan(source="fake").replace_section("scheduling", max_concurrency=16)
+    closed = Workload(load={"mode": "closed", "concurrency": 8})
+    assert confirm.offered_loads(closed, base, wide) == [16, 8]
+    assert confirm.offered_loads(closed, base, base) == [8]
+    assert confirm.offered_loads(Workload(), base, wide) == [None]
+    assert confirm.offered_loads(Workload(load={"mode": "poisson", "rate": 2.0}), base, wide) == [None]
