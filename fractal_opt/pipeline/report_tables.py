@@ -6,7 +6,7 @@ from typing import Any
 
 Step = Any  # pipeline.trace.Step (not imported: trace imports this module)
 
-__all__ = ["guard_lines", "load_table", "work_table"]
+__all__ = ["TIME_PARTS", "guard_lines", "load_table", "time_line", "time_lines", "work_table"]
 
 
 def work_table(baseline: list[Step], steps: list[Step]) -> list[str]:
@@ -76,3 +76,52 @@ def load_table(baseline: list[Step], steps: list[Step]) -> list[str]:
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return [*out, ""]
 
+
+
+# Where a step's time went, in the order it is spent; each key is a ``Step.timings`` entry (seconds).
+# measure_s holds the warm-ups (both plans' when interleaved) and the rounds; warmup_s is this plan's warm-up within it.
+TIME_PARTS = (("build_s", "build"), ("compile_s", "compile"), ("reference_s", "reference"), ("measure_s", "measure"), ("quality_s", "quality"))
+
+
+def _seconds(timings: dict[str, Any] | None, key: str) -> float | None:
+    value = (timings or {}).get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def time_line(timings: dict[str, Any] | None, *, rounds: Any = None) -> str | None:
+    """``time: build 3.1 s, measure 38.0 s (4 rounds, warm-ups included: this plan's 1.2 s), quality 24.5 s``,
+    from a step's recorded timings only (a part it did not record is left out); None when it recorded none."""
+    parts = []
+    for key, name in TIME_PARTS:
+        if (s := _seconds(timings, key)) is None:
+            continue
+        text = f"{name} {s:.1f} s"
+        if key == "measure_s":
+            bits = [f"{rounds} rounds"] if isinstance(rounds, int | str) else []
+            if (warm := _seconds(timings, "warmup_s")) is not None:
+                bits.append(f"warm-ups included: this plan's {warm:.1f} s")
+            text += f" ({', '.join(bits)})" if bits else ""
+        parts.append(text)
+    return "time: " + ", ".join(parts) if parts else None
+
+
+def time_lines(baseline: Step | None, steps: list[Step], *, calibration: dict[str, Any], final: dict[str, Any]) -> list[str]:
+    """Markdown lines: where the run's time went, in all and per step (``Step.timings``, the final
+    confirmation's ``confirmation.timings``); every number is one the trace recorded. Empty when none is."""
+    rows: list[tuple[str, dict[str, Any], Any]] = []
+    if baseline is not None:
+        rows.append(("baseline (A/A calibration)", baseline.timings, calibration.get("rounds")))
+    rows += [(f"{s.layer}/{s.label()}", s.timings, (s.metrics.get("comparison") or {}).get("rounds")) for s in steps if s.metrics or s.timings]
+    conf = (final or {}).get("confirmation") or {}
+    if conf.get("timings"):
+        loads = conf.get("at_loads") or []
+        rounds = " + ".join(f"{e.get('rounds')} ({e.get('label')})" for e in loads) if loads else conf.get("rounds")
+        rows.append(("final vs baseline", conf["timings"], rounds))
+    lines = [(name, line) for name, timings, rounds in rows if (line := time_line(timings, rounds=rounds)) is not None]
+    if not lines:
+        return []
+    totals = {key: sum(_seconds(t, key) or 0.0 for _, t, _ in rows) for key, _ in TIME_PARTS}
+    split = ", ".join(f"{name} {totals[key]:.1f} s" for key, name in TIME_PARTS if any(_seconds(t, key) is not None for _, t, _ in rows))
+    out = [f"Where the time went: {sum(totals.values()):.1f} s in these stages ({split}); the rest of the wall time went outside them "
+           "(e.g. probing the machine, loading a released plan again). Per step (measure: the warm-ups and the rounds, of both plans when interleaved):", ""]
+    return [*out, *(f"- {name}: {line}" for name, line in lines), ""]

@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import FractalOptError
 from .confirm import final_lines
 from .report_answers import answers_lines
-from .report_tables import guard_lines, load_table, work_table
+from .report_tables import guard_lines, load_table, time_lines, work_table
 from .labels import pass_label
 from .report import calibration_lines, final_one_user_lines, measurement_lines, one_user_lines
 from .run_info import now, run_info, wall_time
@@ -252,6 +252,7 @@ class Trace:
                       f"torch {m.get('packages', {}).get('torch')}, transformers {m.get('packages', {}).get('transformers')}.", ""]
         if self.finished and (took := wall_time(self.run or {})):
             lines += [f"Wall time: {took} (this run on this machine, {self.run['started_at']} -> {self.run['ended_at']}).", ""]
+        lines += time_lines(self.baseline, self.steps, calibration=self.calibration, final=self.final)  # --- where the time went (report_tables.py)
         wl = self.recipe.get("workload", {})
         lines += [f"Workload: suite `{wl.get('suite')}`, {wl.get('max_new_tokens')} new tokens max, {wl.get('repeats')} repeats after {wl.get('warmup')} warm-up. "
                   "Numbers are medians; (±%) is the change against the previous kept plan; KL and agreement are against the baseline.", ""]
