@@ -341,3 +341,23 @@ def test_the_offered_load_is_the_plans_own_only_under_a_closed_load():
     assert confirm.offered_loads(closed, base, base) == [8]
     assert confirm.offered_loads(Workload(), base, wide) == [None]
     assert confirm.offered_loads(Workload(load={"mode": "poisson", "rate": 2.0}), base, wide) == [None]
+
+
+def test_a_run_whose_concurrency_pass_raised_the_load_confirms_at_both_loads(fake_model, tmp_path):
+    """The pipeline end to end: static batching, then a concurrency limit of 4 under a closed load
+    of 2 clients, both kept; the confirmation's headline is at 4 clients, the baseline's 2 beside it
+    in report.md, and the drift check compares the final with its own step at 4 clients (they
+    agree: nothing else changed)."""
+    passes = {"scheduling": [{"batching": {"mode": "static", "batch_size": 2}}, {"concurrency": {"limit": 4}}]}
+    recipe = load_recipe(small_recipe_dict(fake_model, passes=passes, max_new_tokens=6, repeats=2, limit=3,
+                                           load={"mode": "closed", "concurrency": 2, "requests": 4}), check_model=False)
+    build = LoadEngine.factory(per_token_ms=5.0, speed={"scheduling.batching": {"static": 1.5}, "scheduling.max_concurrency": {4: 2.0}})
+    result = Pipeline(recipe, out_dir=tmp_path, progress=False, machine=cpu_machine(), build=build, refuse=FakeEngine.refuse, limits=LIMITS).run()
+    assert [s.status for s in result.trace.steps] == ["kept", "kept"], [s.reason for s in result.trace.steps]
+    step = result.trace.steps[-1]
+    assert step.status == "kept" and step.metrics["load"]["clients"] == 4, step.reason
+    conf = result.trace.final["confirmation"]
+    assert conf["clients"] == 4 and [e["label"] for e in conf["at_loads"]] == ["at 4 clients", "at 2 clients"]
+    assert conf["drift"]["agrees"] and conf["drift"]["in_step"] == step.metrics[conf["drift"]["metric"]]
+    report = (tmp_path / "report.md").read_text()
+    assert "at 4 clients (the final plan's offered load)" in report and "Beside it, at 2 clients (the baseline's offered load" in report
