@@ -9,6 +9,7 @@ import pytest
 from conftest import small_recipe_dict
 
 from fractal_opt.measure.machine_limits import MachineLimits
+from fractal_opt.measure.rounds import LoadRounds
 from fractal_opt.measure.runner import measure_pair
 from fractal_opt.pipeline import confirm
 from fractal_opt.pipeline.runner import Pipeline
@@ -334,13 +335,18 @@ def test_report_and_terminal_show_the_other_load_beside_the_headline():
 
 def test_the_offered_load_is_the_plans_own_only_under_a_closed_load():
     """offered_loads: the final plan's first, the baseline's when it differs; one None where the
-    load does not depend on the plan (no load profile, poisson arrivals)."""
+    load does not depend on the plan (no load profile, poisson arrivals); LoadRounds takes an
+    explicit offered load, and refuses one that is not a client count."""
     base, wide = Plan(source="fake"), Plan(source="fake").replace_section("scheduling", max_concurrency=16)
     closed = Workload(load={"mode": "closed", "concurrency": 8})
     assert confirm.offered_loads(closed, base, wide) == [16, 8]
     assert confirm.offered_loads(closed, base, base) == [8]
     assert confirm.offered_loads(Workload(), base, wide) == [None]
     assert confirm.offered_loads(Workload(load={"mode": "poisson", "rate": 2.0}), base, wide) == [None]
+    engine = LoadEngine.factory()(wide)
+    assert LoadRounds(engine, closed, closed.requests()).clients == 16 and LoadRounds(engine, closed, closed.requests(), clients=8).clients == 8
+    with pytest.raises(ValueError, match=r"clients \(the offered load\) must be a whole number >= 1, or None for the plan's own; got 0"):
+        LoadRounds(engine, closed, closed.requests(), clients=0)
 
 
 def test_a_run_whose_concurrency_pass_raised_the_load_confirms_at_both_loads(fake_model, tmp_path):
