@@ -1,14 +1,12 @@
 """The runner: baseline, then for each pass check -> apply -> build -> measure -> judge -> keep or roll back.
 
-Rollback is free: a pass returns a new Plan, and rolling it back means keeping the previous
-:class:`~.resume.Kept` value. Every step is written to the output folder as it finishes
-(``trace.json``, ``report.md`` and ``recipe.yaml`` of the best plan so far), and to the run's
-journal (:class:`~.resume.RunJournal`), so a failed or killed run never loses work.
+Rollback is free: a pass returns a new Plan, and rolling it back means keeping the previous :class:`~.resume.Kept` value. Every
+step is written to the output folder as it finishes (``trace.json``, ``report.md`` and ``recipe.yaml`` of the best plan so far),
+and to the run's journal (:class:`~.resume.RunJournal`), so a failed or killed run never loses work.
 
-The runner knows no particular pass or runtime. It asks a pass through its protocol (``expand``,
-``unavailable``, ``check``, ``apply``; :mod:`.gate`), the runtimes through the registry it was
-given (:class:`~fractal_opt.engine.registry.Runtimes`: build, refuse, eviction) and the Engine
-protocol (``prepare``, ``serve``, ``census``), and the recipe's policy for the verdict.
+The runner knows no particular pass or runtime. It asks a pass through its protocol (``expand``, ``unavailable``, ``check``,
+``apply``; :mod:`.gate`), the runtimes through the registry it was given (:class:`~fractal_opt.engine.registry.Runtimes`: build,
+refuse, eviction) and the Engine protocol (``prepare``, ``serve``, ``census``), and the recipe's policy for the verdict.
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ from ..workload import Request
 from . import confirm, records
 from .deadline import StepTimeout, WorkerAbandoned, checkpoint, run_with_deadline
 from .gate import PassSteps
+from .objectives import annotate, split_objectives
 from .progress import Progress
 from .result import Result, write_run
 from .resume import MEASURER_STATE, Kept, RunJournal, check_out
@@ -299,8 +298,7 @@ class Pipeline:
         self._save()
 
     def _finish(self) -> None:
-        """The best plan so far (``trace.final``, status ``provisional``): its last medians, and no
-        change against the baseline; that comes only from :meth:`_confirm_final`."""
+        """The best plan so far (``trace.final``, ``provisional``): its last medians; no change against the baseline (:meth:`_confirm_final`)."""
         assert self.kept.measurement is not None and self._trace.baseline is not None
         now = self._metrics(self.kept.measurement, dict(self.kept.quality))
         now["weight_mb"] = self.kept.weight_mb
@@ -308,9 +306,8 @@ class Pipeline:
         self._trace.final = {"plan": self.kept.plan.to_dict(), "kept": kept, "metrics": now, "status": "provisional", "vs_baseline": {}}
 
     def _confirm_final(self, machine: Machine) -> None:
-        """After the last step: the final plan and the baseline measured again, interleaved, by the
-        rule of every step (:mod:`.confirm`); ``trace.final``'s final-vs-baseline numbers come only
-        from here. A final plan equal to the baseline is not measured; a failure is recorded."""
+        """After the last step: the final plan and the baseline measured again, interleaved, by the rule of every step (:mod:`.confirm`);
+        final-vs-baseline numbers come only from here. A final equal to the baseline is not measured; a failure is recorded."""
         assert self._steps is not None and self._trace.baseline is not None
         base, final = self.recipe.base_plan(), self.kept.plan
         kept = [s for s in self._trace.steps if s.status == "kept"]
@@ -319,16 +316,13 @@ class Pipeline:
             return
         if self.journal.restore_final(self._trace, reconfirm=self.reconfirm):  # resuming a finished run: nothing measured
             return
-        objectives = [self.recipe.policy.objective_for(Layer.from_name(s.layer)) for s in kept]
+        objective_of = lambda layer: self.recipe.policy.objective_for(Layer.from_name(layer))  # noqa: E731
+        objectives, traded = split_objectives(kept, objective_of)  # a later kept step may trade an earlier objective (.objectives)
         self.progress("final: measuring the final plan against the baseline again, interleaved")
         try:
             fields = confirm.confirm(self._steps, baseline_plan=base, final_plan=final, build=lambda plan: self._build(plan, machine)[0],
                                      objectives=objectives, weight_mb=(self._trace.baseline.metrics.get("weight_mb"), self.kept.weight_mb))
-            last = kept[-1]  # the step that kept the final plan: does the confirmation agree with it?
-            objective = self.recipe.policy.objective_for(Layer.from_name(last.layer))
-            if (d := confirm.drift(fields, step=f"{last.layer}/{last.pass_name}", objective=objective, in_step=last.metrics.get(objective),
-                                   calibration=self._trace.calibration, min_effect=self.recipe.policy.min_effect)) is not None:
-                fields["confirmation"]["drift"] = d
+            annotate(fields, kept=kept, traded=traded, objective_of=objective_of, calibration=self._trace.calibration, min_effect=self.recipe.policy.min_effect)
         except (Exception, MemoryError) as e:  # the steps stand; only the final comparison is missing
             fields = confirm.failed(e)
             self.progress(f"final: the confirmation failed ({fields['confirmation']['error'][:120]})")

@@ -1,0 +1,78 @@
+"""Which objectives the final confirmation must see improved, and which a later step traded away.
+
+Each layer is judged on its own objective: the hardware layer on one stream's decode, the
+scheduling layer on throughput under load. A later layer may keep a pass that pays with an earlier
+layer's objective: continuous batching under a burst shares the cores between the streams, so
+each stream decodes slower while the burst is served sooner (the step's reason says so: "at a cost
+no guard forbids: decode_tokens_per_s -64%"). The final plan then cannot beat the baseline on the
+earlier objective by the earlier step's margin, and requiring it would call every such trade "not
+confirmed". So an objective is *traded* when a later kept step, judged on another objective, made
+it worse beyond that step's own threshold; the confirmation reports it with the step that traded
+it and does not require it to improve. Every other kept layer's objective must still improve
+beyond noise against the baseline.
+
+Example:
+    >>> from types import SimpleNamespace as S
+    >>> rt = S(layer="hardware", pass_name="runtime", changes={"decode_tokens_per_s": 1.6}, bands={"decode_tokens_per_s": 0.7})
+    >>> cb = S(layer="scheduling", pass_name="batching", changes={"decode_tokens_per_s": -0.64, "throughput_tokens_per_s": 0.49},
+    ...        bands={"decode_tokens_per_s": 0.1, "throughput_tokens_per_s": 0.05})
+    >>> objective = {"hardware": "decode_tokens_per_s", "scheduling": "throughput_tokens_per_s"}.get
+    >>> required, traded = split_objectives([rt, cb], objective)
+    >>> required, traded["decode_tokens_per_s"]["by"]
+    (['throughput_tokens_per_s'], 'scheduling/batching')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..measure.metrics import METRICS
+from .confirm import drift
+
+__all__ = ["annotate", "split_objectives", "traded_line"]
+
+
+def split_objectives(kept: Sequence[Any], objective_of: Callable[[str], str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """(objectives the confirmation requires, objectives traded by a later kept step).
+
+    ``kept``: the kept steps in run order (each with ``layer``, ``pass_name``, ``changes`` and
+    ``bands`` against the plan kept before it); ``objective_of(layer)``: the policy's objective of
+    a layer. A traded entry says which step traded it, its change there and that step's objective.
+    """
+    objectives = [objective_of(s.layer) for s in kept]
+    traded: dict[str, dict[str, Any]] = {}
+    for i, metric in enumerate(objectives):
+        for later, later_objective in zip(kept[i + 1:], objectives[i + 1:]):
+            if later_objective == metric or metric not in METRICS:
+                continue
+            change, band = later.changes.get(metric), later.bands.get(metric)
+            if change is None or band is None:
+                continue
+            worse = -change if METRICS[metric] else change
+            if worse > band:
+                traded[metric] = {"by": f"{later.layer}/{later.pass_name}", "change": round(change, 4), "band": round(band, 4),
+                                  "for": later_objective}
+    required = [m for m in dict.fromkeys(objectives) if m not in traded]
+    return required, traded
+
+
+def traded_line(metric: str, entry: dict[str, Any]) -> str:
+    """``Traded: decode_tokens_per_s by scheduling/batching for throughput_tokens_per_s (-64.0% in that step, beyond its ±10.0%) ...``"""
+    return (f"Traded: {metric} by {entry['by']} for {entry['for']} ({entry['change']:+.1%} in that step, beyond its threshold "
+            f"±{entry['band']:.1%}, a cost no guard forbids): not required to beat the baseline.")
+
+
+def annotate(fields: dict[str, Any], *, kept: Sequence[Any], traded: dict[str, dict[str, Any]], objective_of: Callable[[str], str],
+             calibration: dict[str, Any], min_effect: float) -> None:
+    """Add to a confirmation's ``fields`` whether it agrees with the step that kept the final plan
+    (``confirmation.drift``, :func:`~.confirm.drift`) and the objectives later steps traded
+    (``confirmation.traded``)."""
+    last = kept[-1]  # the step that kept the final plan
+    objective = objective_of(last.layer)
+    d = drift(fields, step=f"{last.layer}/{last.pass_name}", objective=objective, in_step=last.metrics.get(objective),
+              calibration=calibration, min_effect=min_effect)
+    if d is not None:
+        fields["confirmation"]["drift"] = d
+    if traded:
+        fields["confirmation"]["traded"] = traded

@@ -1,0 +1,63 @@
+"""Which kept objectives the final confirmation requires, and which a later step traded away."""
+
+from types import SimpleNamespace
+
+from fractal_opt.pipeline.confirm import record
+from fractal_opt.pipeline.objectives import annotate, split_objectives, traded_line
+
+OBJECTIVE = {"hardware": "decode_tokens_per_s", "model": "decode_tokens_per_s", "scheduling": "throughput_tokens_per_s",
+             "application": "e2e_ms"}.get
+
+
+def step(layer, name, changes, bands, metrics=None):
+    return SimpleNamespace(layer=layer, pass_name=name, changes=changes, bands=bands, metrics=metrics or {})
+
+
+RUNTIME = step("hardware", "runtime", {"decode_tokens_per_s": 1.59}, {"decode_tokens_per_s": 0.72})
+
+
+def test_batching_that_costs_decode_beyond_its_threshold_trades_the_hardware_objective():
+    batching = step("scheduling", "batching", {"decode_tokens_per_s": -0.64, "throughput_tokens_per_s": 0.489},
+                    {"decode_tokens_per_s": 0.10, "throughput_tokens_per_s": 0.055})
+    required, traded = split_objectives([RUNTIME, batching], OBJECTIVE)
+    assert required == ["throughput_tokens_per_s"]
+    assert traded == {"decode_tokens_per_s": {"by": "scheduling/batching", "change": -0.64, "band": 0.1, "for": "throughput_tokens_per_s"}}
+    assert traded_line("decode_tokens_per_s", traded["decode_tokens_per_s"]).startswith(
+        "Traded: decode_tokens_per_s by scheduling/batching for throughput_tokens_per_s (-64.0% in that step, beyond its threshold ±10.0%")
+
+
+def test_a_cost_within_the_later_steps_threshold_is_no_trade():
+    batching = step("scheduling", "batching", {"decode_tokens_per_s": -0.08, "throughput_tokens_per_s": 0.2},
+                    {"decode_tokens_per_s": 0.10, "throughput_tokens_per_s": 0.05})
+    assert split_objectives([RUNTIME, batching], OBJECTIVE) == (["decode_tokens_per_s", "throughput_tokens_per_s"], {})
+
+
+def test_a_later_step_on_the_same_objective_never_trades_it():
+    quant = step("model", "quantize", {"decode_tokens_per_s": -0.5}, {"decode_tokens_per_s": 0.05})
+    required, traded = split_objectives([RUNTIME, quant], OBJECTIVE)
+    assert (required, traded) == (["decode_tokens_per_s"], {})
+
+
+def test_lower_is_better_objectives_are_traded_when_they_rise():
+    cap = step("application", "max_new_tokens", {"e2e_ms": -0.3}, {"e2e_ms": 0.05})
+    batching = step("scheduling", "batching", {"e2e_ms": 0.4, "throughput_tokens_per_s": 0.5}, {"e2e_ms": 0.1, "throughput_tokens_per_s": 0.05})
+    required, traded = split_objectives([cap, batching], OBJECTIVE)
+    assert required == ["throughput_tokens_per_s"] and traded["e2e_ms"]["change"] == 0.4
+
+
+def test_annotate_records_the_trade_and_the_drift_against_the_last_kept_step():
+    from fractal_opt.measure.metrics import Measurement, Sample
+
+    def measurement(tps):
+        samples = [Sample(request_id="a", prompt_tokens=10, new_tokens=8, ttft_ms=100.0, prefill_ms=90.0, e2e_ms=180.0,
+                          decode_tokens_per_s=90.0, hit_cap=True, repeat=r) for r in range(3)]
+        return Measurement(samples=samples, repeats=[{"throughput_tokens_per_s": tps * (1 + 0.01 * r)} for r in range(3)], outputs={}, texts={})
+
+    fields = record(measurement(16.0), measurement(37.0), mode="interleaved", note="n", objectives=["throughput_tokens_per_s"], min_effect=0.05)
+    batching = step("scheduling", "batching", {"decode_tokens_per_s": -0.64}, {"decode_tokens_per_s": 0.1},
+                    metrics={"throughput_tokens_per_s": 44.0})
+    _, traded = split_objectives([RUNTIME, batching], OBJECTIVE)
+    annotate(fields, kept=[RUNTIME, batching], traded=traded, objective_of=OBJECTIVE, calibration={"resolution": {}}, min_effect=0.05)
+    assert fields["confirmation"]["traded"]["decode_tokens_per_s"]["by"] == "scheduling/batching"
+    drift = fields["confirmation"]["drift"]
+    assert drift["in_step"] == 44.0 and drift["agrees"] is False and round(drift["change"], 3) == round(37.0 * 1.01 / 44.0 - 1, 3)  # the final median: 37.0 x 1.01
