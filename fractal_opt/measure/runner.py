@@ -278,9 +278,9 @@ def paired_changes(before: Measurement, after: Measurement, metrics: Sequence[st
 def rounds_for(engine: Engine, workload: Workload, requests: Sequence[Request], *, clients: int | None = None) -> Rounds:
     """The source a workload asks for: its ``load`` profile through a server (the capacity search,
     conversations replayed turn by turn, or single requests), else the suite. Here, above every
-    round source, so that none of them imports another's module. ``clients`` sets the closed or
-    poisson load's offered clients (the conversations' users and the capacity search's levels are
-    the profile's own, whatever the plan)."""
+    round source, so that none of them imports another's module. ``clients`` sets a closed load's
+    offered clients (poisson arrivals keep their rate; the conversations' users and the capacity
+    search's levels are the profile's own, whatever the plan)."""
     if getattr(workload, "load", None):
         if workload.load_profile().capacity:
             from .capacity_rounds import CapacityRounds
