@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from ..plan import Plan
     from .step_measurement import StepMeasurer
 
-__all__ = ["HEADLINE", "confirm", "drift", "failed", "final_lines", "offered_loads", "same_plan", "unchanged"]
+__all__ = ["HEADLINE", "confirm", "drift", "failed", "final_lines", "offered_loads", "same_plan", "traded_lines", "unchanged"]
 
 # The numbers "final vs baseline" spells out (trace.json keeps every metric's interval). Peak
 # memory is left out: interleaving keeps both models resident, so it cannot show either plan's own.
@@ -291,6 +291,12 @@ def drift(fields: Mapping[str, Any], *, step: str, objective: str, in_step: Any,
             "noise": round(noise, 4), "agrees": abs(change) <= noise}
 
 
+def traded_lines(conf: Mapping[str, Any]) -> list[str]:
+    """One line per kept objective a later kept step paid with (``confirmation.traded``, :mod:`.objectives`)."""
+    return [f"Traded: {metric} by {t['by']} for {t['for']} ({t['change']:+.1%} in that step, beyond its threshold ±{t['band']:.1%}, "
+            "a cost no guard forbids): not required to beat the baseline." for metric, t in (conf.get("traded") or {}).items()]
+
+
 def drift_line(conf: Mapping[str, Any]) -> str | None:
     """``drift: the final's decode_tokens_per_s is 34.0 here, 78.0 in its own step (...)``; None when it agrees."""
     d = conf.get("drift") or {}
@@ -334,6 +340,7 @@ def final_lines(final: Mapping[str, Any], *, markdown: bool = True) -> list[str]
                       other.get("metrics") or {}, markdown=markdown)
     if (line := drift_line(conf)) is not None:
         out.append(line)
+    out += traded_lines(conf)
     if status == "confirmed":
         out.append(f"Confirmed: {', '.join(conf.get('objectives') or [])} better than the baseline beyond noise.")
     else:

@@ -8,7 +8,7 @@ no guard forbids: decode_tokens_per_s -64%"). The final plan then cannot beat th
 earlier objective by the earlier step's margin, and requiring it would call every such trade "not
 confirmed". So an objective is *traded* when a later kept step, judged on another objective, made
 it worse beyond that step's own threshold; the confirmation reports it with the step that traded
-it and does not require it to improve. Every other kept layer's objective must still improve
+it and does not require it to improve (:func:`~.confirm.traded_lines` writes it). Every other kept layer's objective must still improve
 beyond noise against the baseline.
 
 Example:
@@ -30,7 +30,7 @@ from typing import Any
 from ..measure.metrics import METRICS
 from .confirm import drift
 
-__all__ = ["annotate", "split_objectives", "traded_line"]
+__all__ = ["annotate", "split_objectives"]
 
 
 def split_objectives(kept: Sequence[Any], objective_of: Callable[[str], str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
@@ -55,12 +55,6 @@ def split_objectives(kept: Sequence[Any], objective_of: Callable[[str], str]) ->
                                   "for": later_objective}
     required = [m for m in dict.fromkeys(objectives) if m not in traded]
     return required, traded
-
-
-def traded_line(metric: str, entry: dict[str, Any]) -> str:
-    """``Traded: decode_tokens_per_s by scheduling/batching for throughput_tokens_per_s (-64.0% in that step, beyond its ±10.0%) ...``"""
-    return (f"Traded: {metric} by {entry['by']} for {entry['for']} ({entry['change']:+.1%} in that step, beyond its threshold "
-            f"±{entry['band']:.1%}, a cost no guard forbids): not required to beat the baseline.")
 
 
 def annotate(fields: dict[str, Any], *, kept: Sequence[Any], traded: dict[str, dict[str, Any]], objective_of: Callable[[str], str],

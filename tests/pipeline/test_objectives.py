@@ -2,8 +2,8 @@
 
 from types import SimpleNamespace
 
-from fractal_opt.pipeline.confirm import record
-from fractal_opt.pipeline.objectives import annotate, split_objectives, traded_line
+from fractal_opt.pipeline.confirm import record, traded_lines
+from fractal_opt.pipeline.objectives import annotate, split_objectives
 
 OBJECTIVE = {"hardware": "decode_tokens_per_s", "model": "decode_tokens_per_s", "scheduling": "throughput_tokens_per_s",
              "application": "e2e_ms"}.get
@@ -22,7 +22,7 @@ def test_batching_that_costs_decode_beyond_its_threshold_trades_the_hardware_obj
     required, traded = split_objectives([RUNTIME, batching], OBJECTIVE)
     assert required == ["throughput_tokens_per_s"]
     assert traded == {"decode_tokens_per_s": {"by": "scheduling/batching", "change": -0.64, "band": 0.1, "for": "throughput_tokens_per_s"}}
-    assert traded_line("decode_tokens_per_s", traded["decode_tokens_per_s"]).startswith(
+    assert traded_lines({"traded": traded})[0].startswith(
         "Traded: decode_tokens_per_s by scheduling/batching for throughput_tokens_per_s (-64.0% in that step, beyond its threshold ±10.0%")
 
 
