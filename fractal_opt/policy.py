@@ -232,13 +232,13 @@ class Policy:
             what = f"change {change!r}" if not finite(change) else f"value {value!r}"
             return False, f"objective {objective} is not finite ({what}): a failed number is never a gain{tripped}{note}", "unmeasured"
         band = ev.bands.get(objective, self.min_effect)
-        better = change if METRICS[objective] else -change
+        better = _better(objective, change)
         # The threshold is the step's own interval half-width (from its rounds; at least min_effect),
         # not the A/A calibration's noise band, which the report shows apart.
         obj_text = f"{objective} {move(objective, ev, change)}, threshold ±{band:.1%} (interval half-width, at least min_effect)"
         if trips:
             return False, f"{obj_text}{tripped}{note}", "guard"
-        if better <= band:
+        if not self.objective_improved(layer, changes=ev.changes, after=ev.after, bands=ev.bands):
             verb = "no change beyond noise" if better >= -band else "worse"
             gains = self._moved(layer, ev, objective, better_side=True)  # the other side of a trade
             but = f"; better, but not the objective: {', '.join(gains)}" if gains else ""
@@ -246,6 +246,17 @@ class Policy:
         costs = self._moved(layer, ev, objective, better_side=False)  # the price of a kept trade
         cost = f"; at a cost no guard forbids: {', '.join(costs)}" if costs else ""
         return True, f"{obj_text}; no guard tripped{cost}{note}", "kept"
+
+    def objective_improved(self, layer: Layer, *, changes: dict[str, Any], after: dict[str, Any], bands: dict[str, float]) -> bool:
+        """Whether the objective's paired change beats its threshold (``bands``, at least
+        min_effect) with a finite number: the one condition no guard and no quality number can
+        stand in for, so a step without it is rolled back whatever else it measured (the runner
+        then spares it the quality probes)."""
+        objective = self.objective_for(layer)
+        change, value = changes.get(objective), after.get(objective)
+        if change is None or not finite(change) or (value is not None and not finite(value)):
+            return False
+        return _better(objective, change) > bands.get(objective, self.min_effect)
 
     def _moved(self, layer: Layer, ev: Evidence, objective: str, *, better_side: bool) -> list[str]:
         """Watched numbers besides the objective that moved beyond noise, to the better or the worse side."""
@@ -258,6 +269,11 @@ class Policy:
             if (gain if better_side else -gain) > ev.bands.get(m, self.min_effect):
                 out.append(f"{m} {move(m, ev, c)}")
         return out
+
+
+def _better(objective: str, change: float) -> float:
+    """The objective's change signed so that positive is better (its direction from ``METRICS``)."""
+    return change if METRICS[objective] else -change
 
 
 def _identical(ev: Evidence, determinism: str) -> str:
