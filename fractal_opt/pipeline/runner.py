@@ -204,7 +204,7 @@ class Pipeline:
         assert self._steps is not None and self._trace.baseline is not None
         env = StepEnv(recipe=self.recipe, machine=machine, measurer=self._steps, baseline=self._trace.baseline,
                       build=lambda plan: self._build(plan, machine), refuse=self.refuse, quality=self._quality, metrics=self._metrics,
-                      progress=self.progress, enter=self._enter, stage=lambda: self._stage, fail=self._fail,
+                      measured_quality=self.quality.measured, progress=self.progress, enter=self._enter, stage=lambda: self._stage, fail=self._fail,
                       before_build=lambda: self._rescore_reference(machine), clip=_clip)
         try:
             outcome, self.kept = run_with_deadline(lambda: attempt(env, p, ramp, step, label, self.kept), self.recipe.policy.timeout_s,

@@ -5,6 +5,12 @@ with the verdict's outcome: the runner's state changes only by what a step retur
 that had to be abandoned past its deadline changes nothing. What a step needs from its run (the
 recipe, the measurer, the builder, the quality scorer, the failure recorder) comes in a
 :class:`StepEnv`; the step itself is recorded in the :class:`~.trace.Step` it fills.
+
+Speed first: a step whose objective did not beat its threshold is rolled back whatever its
+quality, so its KL, perplexity, eval set and custom probes are not scored (``quality_skipped`` in
+its metrics says why); the numbers its measured outputs give for free (agreement with the
+baseline's answers, path agreement) are kept. A search level that may hold (``Pass.holds``) is
+always scored: only its quality guards can refuse it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from ..machine import Machine
 from ..measure.metrics import Measurement
 from ..passes import Layer, Pass
 from ..plan import Plan
+from ..policy import Verdict
 from ..quality.probes import agreement_between
 from ..recipe import Recipe
 from . import records
@@ -43,6 +50,7 @@ class StepEnv:
     build: Callable[[Plan], tuple[Engine, dict[str, float]]]  # build, then prepare: the engine and its timings
     refuse: Callable[[Plan], str | None]
     quality: Callable[[Engine, Measurement, str], dict[str, Any]]
+    measured_quality: Callable[[Engine, Measurement], dict[str, Any]]  # agreement and answers from the measured outputs: no model call
     metrics: Callable[[Measurement, dict[str, Any]], dict[str, Any]]
     progress: Callable[[str], None]
     enter: Callable[[str], None]  # the step moves on to a stage (named if it fails); a step past its deadline stops there
@@ -90,16 +98,9 @@ def attempt(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, ke
         kept = dataclasses.replace(kept, measurement=cmp.before)  # the previous plan, measured afresh beside the candidate
         step.timings.update(warmup_s=round(cmp.after.warmup_s, 2), measure_s=round(time.perf_counter() - t0, 2))
         env.enter("quality")
-        t0 = time.perf_counter()
-        quality = env.quality(engine, cmp.after, label)
-        step.timings["quality_s"] = round(time.perf_counter() - t0, 2)  # the probes' and eval's time (report: where the time went)
-        if (p.layer is Layer.SCHEDULING or "path_agreement" in {g.metric for g in env.recipe.policy.guards_for(p.layer)}) \
-                and not candidate.application.do_sample:
-            # Path equivalence: the share of greedy answers a serving path leaves token-identical,
-            # reported on every scheduling step; a guard only with policy.determinism: required.
-            quality.update(path_agreement=agreement_between(cmp.before.outputs, cmp.after.outputs))
+        quality, unscored = _quality(env, p, ramp, step, label, kept, candidate, engine, cmp)
         env.enter("judge")
-        return _judge(env, p, ramp, step, label, kept, candidate, engine, cmp, quality, mode)
+        return _judge(env, p, ramp, step, label, kept, candidate, engine, cmp, quality, mode, unscored=unscored)
     except (Exception, SystemExit, StepTimeout) as e:  # noqa: BLE001 - a failing step is recorded and rolled back; the run goes on
         if abandoned():
             return "", kept  # the runner recorded this step's timeout and went on: touch nothing
@@ -109,31 +110,84 @@ def attempt(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, ke
         return "", kept
 
 
-def _judge(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, kept: Kept, candidate: Plan, engine: Engine, cmp: Comparison,
-           quality: dict[str, Any], mode: str) -> tuple[str, Kept]:
-    """Judge a measured step against the kept plan; keep it or roll it back."""
-    after = cmp.after
-    step.metrics = env.metrics(after, quality)
-    step.metrics["weight_mb"] = round(step.census["weight_bytes"] / 2**20, 1)
-    step.metrics.update(intervals=cmp.intervals, comparison=cmp.info, roofline=env.measurer.roofline(engine, after))
-    if cmp.info.get("mode") == "interleaved":  # the previous plan in the same rounds (one_user reads it); back to back it is an older measurement
-        step.metrics["previous"] = cmp.before.summary()
+def _quality(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, kept: Kept, candidate: Plan, engine: Engine,
+             cmp: Comparison) -> tuple[dict[str, Any], tuple[str, Verdict] | None]:
+    """The step's quality numbers, scored only when they can decide its verdict. First the free
+    ones (agreement and path agreement from the measured outputs) and the verdict they give with
+    the speed numbers; when quality cannot change it (:func:`_quality_cannot_decide`), that verdict
+    stands and the probes and the eval are not run (returned with why)."""
+    quality = {**env.measured_quality(engine, cmp.after), **_path_agreement(env, p, candidate, cmp)}
+    early = _verdict(env, p, step, kept, cmp, quality)
+    if (why := _quality_cannot_decide(env, p, ramp, cmp, early)) is not None:
+        env.progress(f"{label}: quality not scored ({why})")
+        return quality, (why, early)
+    t0 = time.perf_counter()
+    quality = env.quality(engine, cmp.after, label)
+    step.timings["quality_s"] = round(time.perf_counter() - t0, 2)  # the probes' and eval's time (report: where the time went)
+    quality.update(_path_agreement(env, p, candidate, cmp))
+    return quality, None
+
+
+def _path_agreement(env: StepEnv, p: Pass, candidate: Plan, cmp: Comparison) -> dict[str, float]:
+    """Path equivalence: the share of greedy answers a serving path leaves token-identical,
+    reported on every scheduling step; a guard only with policy.determinism: required."""
+    if (p.layer is Layer.SCHEDULING or "path_agreement" in {g.metric for g in env.recipe.policy.guards_for(p.layer)}) \
+            and not candidate.application.do_sample:
+        return {"path_agreement": agreement_between(cmp.before.outputs, cmp.after.outputs)}
+    return {}
+
+
+def _quality_cannot_decide(env: StepEnv, p: Pass, ramp: Pass | None, cmp: Comparison, early: Verdict) -> str | None:
+    """Why the quality probes and the eval cannot change this step's verdict, or None when they
+    can. A step whose objective did not beat its threshold is rolled back whatever its quality
+    (:meth:`.Policy.objective_improved`), unless its search may keep it anyway (``ramp.holds``: a
+    level that holds is kept only when no quality guard trips)."""
+    if env.recipe.policy.objective_improved(p.layer, changes=cmp.changes, after=env.metrics(cmp.after, {}), bands=cmp.bands):
+        return None
+    if ramp is not None and ramp.holds(early.outcome) is not None:
+        return None
+    return "the objective did not improve beyond its threshold: no quality number can keep the step"
+
+
+def _verdict(env: StepEnv, p: Pass, step: Step, kept: Kept, cmp: Comparison, quality: dict[str, Any]) -> Verdict:
+    """The policy's verdict on the candidate's numbers (``quality``: those scored so far) against the kept plan's."""
+    after_values = {**env.metrics(cmp.after, quality), "weight_mb": _weight_mb(step.census), **quality}
     before_values = {**env.metrics(cmp.before, dict(kept.quality)), "weight_mb": kept.weight_mb, **kept.quality}
     changes = cmp.changes
     if kept.weight_mb:  # a census number: exact, so no noise band
-        changes = {**changes, "weight_mb": step.metrics["weight_mb"] / kept.weight_mb - 1}
+        changes = {**changes, "weight_mb": after_values["weight_mb"] / kept.weight_mb - 1}
     base = env.baseline.metrics
     baseline_values = {**{k: v for k, v in base.items() if k != "quality"}, **base["quality"]}
-    verdict = env.recipe.policy.judge(p.layer, before_values, {**step.metrics, **quality}, changes, cmp.bands, baseline=baseline_values,
-                                      intervals=cmp.intervals)
+    return env.recipe.policy.judge(p.layer, before_values, after_values, changes, cmp.bands, baseline=baseline_values, intervals=cmp.intervals)
+
+
+def _weight_mb(census: dict[str, Any]) -> float:
+    return round(census["weight_bytes"] / 2**20, 1)
+
+
+def _judge(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, kept: Kept, candidate: Plan, engine: Engine, cmp: Comparison,
+           quality: dict[str, Any], mode: str, *, unscored: tuple[str, Verdict] | None = None) -> tuple[str, Kept]:
+    """Judge a measured step against the kept plan; keep it or roll it back. ``unscored``: why its
+    quality was not scored, and the verdict already reached without it."""
+    after = cmp.after
+    step.metrics = env.metrics(after, quality)
+    step.metrics["weight_mb"] = _weight_mb(step.census)
+    step.metrics.update(intervals=cmp.intervals, comparison=cmp.info, roofline=env.measurer.roofline(engine, after))
+    if cmp.info.get("mode") == "interleaved":  # the previous plan in the same rounds (one_user reads it); back to back it is an older measurement
+        step.metrics["previous"] = cmp.before.summary()
+    verdict = unscored[1] if unscored else _verdict(env, p, step, kept, cmp, quality)
     step.changes, step.bands = verdict.changes, verdict.bands
     step.metrics["guards"] = verdict.guards  # the guards in force, for the report
     step.plan = candidate.to_dict()
     keep, step.reason = verdict.kept, verdict.reason
+    if unscored:
+        step.metrics["quality_skipped"] = unscored[0]
+        step.reason += "; quality not scored (it cannot keep a step whose objective did not improve)"
     if ramp is not None and (note := ramp.holds(verdict.outcome)):
         keep, step.reason = True, f"holds, {step.reason}; {note}"
     step.status = "kept" if keep else "rolled_back"
     step.reason += records.startup_note(step.timings)  # a start-up cost the numbers exclude: shown where the verdict is read
+    step.reason += records.contention_note(cmp.after, *([cmp.before] if cmp.info.get("mode") == "interleaved" else []))  # rounds re-run for contention
     env.progress(f"{label}: {step.status.replace('_', ' ')} ({env.clip(step.reason, 160)})")
     checkpoint()  # a worker past its deadline leaves the engines and the kept state alone
     env.measurer.after_verdict(keep, engine, candidate if keep else kept.plan, mode)

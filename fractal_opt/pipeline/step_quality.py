@@ -2,24 +2,31 @@
 the baseline's greedy answers, the eval set, the recipe's custom probes.
 
 Model-level probes (KL, flips, perplexity) are computed once per ``Plan.numerics_key()``: a pass
-that cannot change next-token distributions (scheduling, decoding) reuses them. The eval set and
-the custom probes run on every step. The eval set and the probes are loaded when this is made, so
-a bad eval set or probe fails before any model is loaded.
+that cannot change next-token distributions (scheduling, decoding) reuses them. The eval set's
+answers are served once per :func:`eval_key` (the plan, with the token cap as the eval sees it): a
+pass that changes nothing they depend on (a ``max_new_tokens`` cap at or above
+``quality.eval_max_new_tokens``) reuses them, and they are scored against the baseline's again. The
+custom probes run on every scored step. Agreement with the baseline's greedy answers and the
+answers' text come from the step's measured outputs (:meth:`StepQuality.measured`): no model call.
+The eval set and the probes are loaded when this is made, so a bad eval set or probe fails before
+any model is loaded.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from ..engine.protocol import Engine
 from ..measure.metrics import Measurement
+from ..plan import Plan
 from ..quality.evals import eval_set_name, load_eval_set, score
 from ..quality.probes import agreement, build_reference, model_probes
 from ..recipe import Recipe
 from ..workload import Request
 
-__all__ = ["StepQuality"]
+__all__ = ["StepQuality", "eval_key"]
 
 
 class StepQuality:
@@ -34,6 +41,7 @@ class StepQuality:
         self.reference: Any = None  # the baseline's reference logits and outputs
         self.reference_outputs: dict[str, list[int]] | None = None  # a resumed baseline's outputs, until the reference is scored again
         self._model_probes: dict[tuple, dict[str, float]] = {}  # by Plan.numerics_key()
+        self._eval_answers: dict[str, _EvalAnswers] = {}  # by eval_key(plan)
 
     def score_reference(self, engine: Engine, outputs: dict[str, list[int]] | None = None) -> None:
         """Score the reference text on the baseline's ``engine`` (``outputs``: its greedy answers, when known)."""
@@ -52,16 +60,35 @@ class StepQuality:
         if key not in self._model_probes:
             self.progress(f"{label}: KL / perplexity on the reference text")
             self._model_probes[key] = model_probes(self.reference, engine)
-        out: dict[str, Any] = {**self._model_probes[key], **agreement(self.reference, m.outputs, cap=engine.plan.application.max_new_tokens)}
         if is_baseline:  # its tokenizer decodes the answers of runtimes that keep only ids (llama.cpp: the same vocabulary)
             self._decode = _decoder(engine)
-        out.update(_answers(engine, m.outputs, getattr(self, "_decode", None)))  # the side-by-side answers (report_answers.py)
+        out: dict[str, Any] = {**self._model_probes[key], **self.measured(engine, m)}
         if is_baseline:
             out["prompts"] = {r.id: r.messages[-1][1] for r in requests}
         if self.eval_items:
-            self.progress(f"{label}: eval set ({len(self.eval_items)} questions)")
-            out.update(score(engine, self.eval_items, max_new_tokens=self.config.eval_max_new_tokens, baseline=None if is_baseline else baseline_eval))
+            out.update(self._eval(engine, label, baseline_eval=None if is_baseline else baseline_eval))
         out.update(self._custom(engine))
+        return out
+
+    def measured(self, engine: Engine, m: Measurement) -> dict[str, Any]:
+        """What the step's measured outputs say without a model call: greedy agreement with the
+        baseline's answers, and the answers as text (the side-by-side answers, report_answers.py).
+        A step whose quality cannot decide its verdict records only these."""
+        out = agreement(self.reference, m.outputs, cap=engine.plan.application.max_new_tokens)
+        return {**out, **_answers(engine, m.outputs, getattr(self, "_decode", None))}
+
+    def _eval(self, engine: Engine, label: str, *, baseline_eval: Any) -> dict[str, Any]:
+        """The eval set's score: its answers served by ``engine``, or those of an earlier plan that
+        gives the same ones (:func:`eval_key`), scored against the baseline's either way."""
+        budget = self.config.eval_max_new_tokens
+        key = eval_key(engine.plan, budget)
+        if (earlier := self._eval_answers.get(key)) is not None:
+            self.progress(f"{label}: eval set: reused from {earlier.label} (this pass changes nothing the eval depends on)")
+            return {**score(cast(Engine, earlier), self.eval_items, max_new_tokens=budget, baseline=baseline_eval), "eval_reused_from": earlier.label}
+        self.progress(f"{label}: eval set ({len(self.eval_items)} questions)")
+        answers = _EvalAnswers(engine, label)
+        out = score(cast(Engine, answers), self.eval_items, max_new_tokens=budget, baseline=baseline_eval)
+        self._eval_answers[key] = answers
         return out
 
     def _custom(self, engine: Engine) -> dict[str, float]:
@@ -76,6 +103,35 @@ class StepQuality:
                 raise TypeError(f"custom probe {name!r} must return a dict of named numbers, got {type(values).__name__}")
             out.update({f"{name}.{k}": float(v) for k, v in values.items()})
         return out
+
+
+def eval_key(plan: Plan, budget: int) -> str:
+    """What the eval set's answers depend on: the whole plan but the passes' names (``applied``),
+    its token cap as the eval meets it (``min(cap, budget)``: the eval asks for ``budget`` tokens,
+    :meth:`Engine.budget` caps them by the plan), so a cap at or above the eval's budget gives the
+    same answers as no cap."""
+    data = plan.to_dict()
+    data.pop("applied")
+    cap = plan.application.max_new_tokens
+    data["application"]["max_new_tokens"] = min(cap, budget) if cap else budget
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+class _EvalAnswers:
+    """The eval set's generations: served once by the engine of the step ``label``, then replayed
+    to :func:`~fractal_opt.quality.evals.score` for a later plan with the same :func:`eval_key` (the
+    engine itself is not kept)."""
+
+    def __init__(self, engine: Engine, label: str):
+        self.engine: Engine | None = engine
+        self.label = label
+        self.generations: list[Any] = []
+
+    def serve(self, requests: Sequence[Request], *, max_new_tokens: int | None = None) -> list[Any]:
+        if self.engine is not None:
+            self.generations = self.engine.serve(requests, max_new_tokens=max_new_tokens)
+            self.engine = None
+        return self.generations
 
 
 def _decoder(engine: Engine) -> Any:

@@ -123,7 +123,10 @@ def test_scheduling_pass_that_changes_tokens_trips_path_equivalence():
 
 @pytest.mark.integration
 def test_int4_on_the_embedded_model_is_rolled_back_by_the_kl_guard():
-    """4-bit weights on SmolLM2 move next-token distributions far past kl_mean 0.05: rolled back, guard named."""
+    """4-bit weights on SmolLM2 move next-token distributions far past kl_mean 0.05: rolled back,
+    guard named; or, on a CPU where they decode no faster (torchao int4: 10.9 against float32's
+    17.2 tokens/s on the project's 2-core CPU, docs/passes.md), rolled back on speed before any
+    probe runs (the KL guard's own test on the model: tests/quality/test_probes.py)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -138,8 +141,12 @@ def test_int4_on_the_embedded_model_is_rolled_back_by_the_kl_guard():
     }
     result = fractal_opt.optimize(recipe, progress=False)
     step = result.trace.steps[0]
-    assert step.metrics["quality"]["kl_mean"] > 0.05
     assert step.status == "rolled_back"
+    if "quality_skipped" in step.metrics:
+        assert step.reason.endswith("; quality not scored (it cannot keep a step whose objective did not improve)"), step.reason
+        assert "kl_mean" not in step.metrics["quality"]
+        return
+    assert step.metrics["quality"]["kl_mean"] > 0.05
     assert "kl_mean max 0.05 tripped" in step.reason
 
 
