@@ -4,7 +4,9 @@ The child runs in its own process group (vLLM's engine core and workers are gran
 stopping it signals the whole group: SIGTERM, then SIGKILL after a grace period. An ``atexit``
 hook stops any child still running when Python exits, including one whose engine was dropped
 without ``close()``. Its output goes to a temporary log file, kept when it failed to start (its
-last lines explain why) and deleted after a clean stop.
+last lines explain why) and deleted after a clean stop. Each live child's group is registered with
+:mod:`fractal_opt.measure.isolation`, which stops it (SIGSTOP, then SIGCONT) while another
+engine's timed round runs, so one engine computes at a time.
 
 A parent killed with SIGKILL runs no code, so neither of those can help then. Each child has a
 watchdog: a small Python process, outside the parent's process group, holding the read end of a
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import EngineError
+from ..measure.isolation import add_live_group, discard_live_group
 
 __all__ = ["ServerProcess", "Supervised", "free_port"]
 
@@ -92,6 +95,7 @@ class ServerProcess:
             raise EngineError(f"could not start {command[0]!r}: {e}") from e
         self.started = time.monotonic()
         _LIVE.add(self)
+        add_live_group(self.proc.pid)  # other engines' timed rounds stop this group while they run (measure.isolation)
         self._watchdog = _watch(self.proc.pid)
 
     @property
@@ -122,8 +126,10 @@ class ServerProcess:
 
     def stop(self, *, grace_s: float = _STOP_GRACE_S) -> None:
         """SIGTERM the server's process group, wait up to ``grace_s``, then SIGKILL it. Idempotent."""
+        discard_live_group(self.proc.pid)  # first: no round stops a group on its way out
         if self.proc.returncode is None:
             self._signal(signal.SIGTERM)
+            self._signal(signal.SIGCONT)  # a group stopped by a round (measure.isolation) acts on the SIGTERM only once continued
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:

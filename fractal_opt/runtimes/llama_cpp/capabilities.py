@@ -21,7 +21,8 @@ CAPABILITIES = Capabilities(
     default_threads=None,
     idle=Idle(threads="an idle server's worker threads, in this process (xllamacpp) or in its child", children="a llama-server when runtime_path is set",
               memory="the loaded GGUF and the KV cache it allocated at load (n_ctx), of the one resident server",
-              pause="one server resident at a time: activate() before each timed round reloads the plan about to be measured",
+              pause=("one server resident at a time: activate() before each timed round reloads the plan about to be measured; a llama-server "
+                     "child kept resident besides it has its process group stopped (SIGSTOP, SIGCONT after) during other engines' rounds"),
               evict="evict_except / clear_cache drop the resident server (it stops once no call uses it)"),
     telemetry=("activate_s",),  # the reload before a round, kept apart from the round's own time
     export_targets=("llama-server",),

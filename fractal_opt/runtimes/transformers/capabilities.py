@@ -42,7 +42,7 @@ CAPABILITIES = Capabilities(
     default_threads="torch_threads",  # torch's intra-op pool, as this process started it
     idle=Idle(threads="torch's intra-op pool, shared by every model in this process", children="none",
               memory="the weights of each cached model (the cache holds the plans being compared)",
-              pause="nothing to pause: it computes only inside a call",
+              pause="nothing to pause: it computes only inside a call, and a round calls only the engine it measures",
               evict="evict_except / clear_cache drop cached models (then gc, and CUDA's cache on a GPU)"),
     export_targets=("transformers-serve", "generation-config"),
     evict="fractal_opt.runtimes.transformers.engine:evict_except",

@@ -37,7 +37,7 @@ CAPABILITIES = Capabilities(
     batch_invariant=False,  # continuous batching: a request's kernels depend on the batch it joins
     idle=Idle(threads="none in this process (an HTTP client per call)", children="a `vllm serve` process per cached plan (at most two)",
               memory="each server's weights and its KV-cache reservation, until it is stopped",
-              pause="nothing: an idle server waits on its socket",
+              pause="each `vllm serve` child's process group (server, engine core, workers) is stopped (SIGSTOP, SIGCONT after) during other engines' rounds",
               evict="evict_except / clear_cache stop the servers of other plans"),
     export_targets=("vllm",),
     evict="fractal_opt.runtimes.vllm:evict_except",
