@@ -14,7 +14,7 @@ from ..passes import Pass
 from ..plan import Plan
 from .deadline import StepTimeout, WorkerAbandoned
 
-__all__ = ["MEASURED_EXTRA", "failure_text", "gate_stage", "metrics", "plan_text", "startup_note", "traceback_text"]
+__all__ = ["MEASURED_EXTRA", "contention_note", "failure_text", "gate_stage", "metrics", "plan_text", "startup_note", "traceback_text"]
 
 # What the measurement itself adds to ``Measurement.extra`` that the trace keeps (GPU telemetry,
 # "unavailable" on CPU; the device's capacity; load: the profile and per-round request counts;
@@ -74,3 +74,20 @@ def startup_note(timings: dict[str, Any]) -> str:
     if "compile_s" not in timings:
         return ""
     return f" Start-up: compiling took {timings['compile_s']:.1f} s (excluded from the numbers above)."
+
+
+def contention_note(*measurements: Measurement) -> str:
+    """Rounds the runner served again because another process of the run used the CPU
+    (:mod:`fractal_opt.measure.isolation`), as a sentence for the verdict's reason ("" when none
+    was): how many, the largest share of the measured engine's CPU time a discarded try saw, and
+    how many rounds stayed contended after the last re-run."""
+    rows = [row for m in measurements for row in m.repeats if row.get("reruns")]
+    if not rows:
+        return ""
+    tries = [c for row in rows for c in row.get("rerun_contention", [])]
+    shares = [c["share"] for c in tries if c.get("share") is not None]
+    used = (f"another process of the run used {max(shares):.0%} of the measured engine's CPU time" if shares
+            else "another process of the run used CPU time while the measured engine used none")
+    still = sum(1 for row in rows if row.get("contended"))
+    left = f"; {still} still contended after {max(row['reruns'] for row in rows)} re-runs (flagged in its rows)" if still else ""
+    return f" {len(rows)} round{'s' if len(rows) > 1 else ''} re-run: {used}{left}."
