@@ -41,6 +41,7 @@ RERUN_SHARE = 0.05
 # test's FakeEngine, uses a few ms of CPU: a share of it would be noise).
 _TICK_S = 0.01
 
+_REAPED = -1  # the key, among the run's other processes, of this process's waited-for children (no pid is negative)
 # Process groups of the child servers this process started and has not stopped yet.
 _LIVE_GROUPS: set[int] = set()
 
@@ -159,6 +160,9 @@ class CpuAccount:
         except psutil.Error:
             descendants = []
         others = {p.pid: _cpu(p) for p in descendants if p.pid not in engine}
+        # Children this process has waited for: their CPU time moved here when they ended (a
+        # helper that started and ended within the round is counted through it).
+        others[_REAPED] = t.children_user + t.children_system
         return engine_s, others, _machine_busy_s()
 
     def __enter__(self) -> CpuAccount:
@@ -174,7 +178,8 @@ class CpuAccount:
         assert self._start is not None and self._end is not None, "result() is read after the round"
         (e0, o0, m0), (e1, o1, m1) = self._start, self._end
         engine = max(0.0, e1 - e0)
-        # A process that started during the round counts from zero; one that ended took its time with it.
+        # A process that started during the round counts from zero; one that ended counts when this
+        # process waited for it (os.times' children), else its time is lost with it.
         others = sum(max(0.0, cpu - o0.get(pid, 0.0)) for pid, cpu in o1.items())
         outside = max(0.0, (m1 - m0) - engine - others)  # clamped: tick rounding can make it slightly negative
         return {"engine_cpu_s": round(engine, 4), "run_others_cpu_s": round(others, 4), "outside_cpu_s": round(outside, 4),

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from fractal_opt.measure.isolation import add_live_group, contended, discard_live_group, live_groups, others_quiet, tree_cpu_s
+from fractal_opt.measure.isolation import CpuAccount, add_live_group, contended, discard_live_group, live_groups, others_quiet, tree_cpu_s
 from fractal_opt.measure.runner import MAX_RERUNS, Runner
 from fractal_opt.plan import Plan
 from fractal_opt.runtimes.child_process import ServerProcess
@@ -162,6 +162,16 @@ def test_a_stopped_child_server_still_stops_promptly_and_leaves_the_registry() -
     assert time.monotonic() - t0 < 5.0
     assert child.proc.returncode == -signal.SIGTERM
     assert child.pid not in live_groups()
+
+
+def test_a_helper_process_that_ran_and_ended_within_the_round_is_counted_as_the_runs_other() -> None:
+    """A child that started, burned 0.2 s of CPU and was waited for during the round counts as the run's other."""
+    burn = "import time\nuntil = time.process_time() + 0.2\nwhile time.process_time() < until: pass"
+    with CpuAccount([]) as account:
+        subprocess.run([sys.executable, "-c", burn], check=True)
+    c = account.result()
+    assert c["run_others_cpu_s"] >= 0.18  # 0.2 s, give or take the 10 ms ticks
+    assert c["engine_cpu_s"] < c["run_others_cpu_s"]
 
 
 @pytest.mark.parametrize(("engine_s", "others_s", "verdict"), [(1.0, 0.05, False), (1.0, 0.051, True), (0.0, 0.009, False), (0.0, 0.02, True)])
