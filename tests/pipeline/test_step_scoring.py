@@ -39,17 +39,18 @@ def scored(monkeypatch):
     return labels
 
 
-def _run(recipe, said=None, **fake):
-    return Pipeline(recipe, progress=said.append if said is not None else False, machine=cpu_machine(), build=FakeEngine.factory(**fake),
-                    refuse=FakeEngine.refuse, limits=LIMITS).run()
+def _run(recipe, said=None, out=None, **fake):
+    return Pipeline(recipe, out_dir=out, progress=said.append if said is not None else False, machine=cpu_machine(),
+                    build=FakeEngine.factory(**fake), refuse=FakeEngine.refuse, limits=LIMITS).run()
 
 
-def test_a_slower_step_is_rolled_back_without_its_quality(fake_model, scored):
+def test_a_slower_step_is_rolled_back_without_its_quality(fake_model, scored, tmp_path):
     """bfloat16 decoding 5x slower: rolled back on its objective, the reason as the policy words it
-    plus why quality was not scored; the quality callable ran for the baseline only; agreement kept."""
+    plus why quality was not scored; the quality callable ran for the baseline only; agreement
+    kept; the reports (KL column, quality and frontier charts) are written without its KL."""
     said: list[str] = []
     recipe = small_recipe_dict(fake_model, max_new_tokens=16, passes={"hardware": [{"dtype": {"dtype": "bfloat16"}}]})
-    result = _run(recipe, said, speed={"hardware.dtype": {"bfloat16": 0.2}})
+    result = _run(recipe, said, tmp_path, speed={"hardware.dtype": {"bfloat16": 0.2}})
     (step,) = result.trace.steps
     assert step.status == "rolled_back"
     # The fake's decode clock readings are exact: 1 ms a token, 5 ms in bfloat16; the guards' throughput is wall-clock.
@@ -64,6 +65,9 @@ def test_a_slower_step_is_rolled_back_without_its_quality(fake_model, scored):
     assert "kl_mean" not in quality and "accuracy" not in quality
     assert "quality_s" not in step.timings
     assert f"[1/1] hardware/dtype(dtype=bfloat16): quality not scored ({UNSCORED})" in said
+    report = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert f"{SUFFIX} |" in report  # the steps table's reason cell
+    assert "quality not scored (it cannot keep a step whose objective" in (tmp_path / "report.html").read_text(encoding="utf-8")
 
 
 def test_a_step_within_noise_is_rolled_back_without_its_quality(fake_model, scored):
