@@ -82,6 +82,11 @@ class CapacityRounds:
     def check_memory(self, peak_mb: float | None, capacity: float | None) -> None:
         return None  # a probe over the memory is over capacity by its failed requests, not a failed round
 
+    def forget_round(self) -> None:
+        """Drop the last round's search (a discarded try)."""
+        if self.searches:
+            self.searches.pop()
+
     def extra(self) -> dict[str, Any]:
         return {"load": {"mode": self.profile.mode, "capacity": list(self.searches), "slos": self.profile.slos(),
                          "slo_percentile": self.profile.slo_percentile, "clients": self.profile.offered()}}

@@ -45,6 +45,7 @@ class ConversationRounds:
         self.users = self.profile.users
         self.records: list[LoadRecord] = []  # every round's, for the per-turn table over all rounds
         self.rounds: list[dict[str, Any]] = []
+        self._last_records = 0  # how many of ``records`` the last round added (forget_round drops them)
 
     def warm_up(self) -> None:
         warm = dataclasses.replace(self.profile, turns=1, think_s=0.0)
@@ -63,6 +64,7 @@ class ConversationRounds:
         readings["turns"] = by_turn(result.records)
         self.rounds.append(counts)
         self.records.extend(result.records)
+        self._last_records = len(result.records)
         done = [rec for rec in result.records if rec.status == "done"]
         samples = [dataclasses.replace(Sample.from_generation(as_generation(rec), repeat=repeat), ttft_ms=rec.ttft_ms) for rec in done]
         return Round(samples=samples, wall_s=result.wall_s, output_tokens=result.output_tokens(),
@@ -73,6 +75,13 @@ class ConversationRounds:
             msg = (f"memory headroom tripped under the conversations load: peak {peak_mb:.0f} MB of {capacity:.0f} MB leaves less than "
                    f"{self.profile.memory_headroom:.0%} free ({self.users} users)")
             raise EngineError(msg)
+
+    def forget_round(self) -> None:
+        """Drop the last round's counts and records (a discarded try): the per-turn table counts kept rounds only."""
+        if self.rounds:
+            self.rounds.pop()
+            del self.records[len(self.records) - self._last_records:]
+            self._last_records = 0
 
     def extra(self) -> dict[str, Any]:
         p = self.profile

@@ -90,6 +90,10 @@ class Rounds(Protocol):
     def extra(self) -> dict[str, Any]:
         """What the measurement's ``extra`` records about this source."""
 
+    def forget_round(self) -> None:
+        """Drop what the last :meth:`serve` recorded: the runner re-runs a round another process
+        disturbed (:mod:`.isolation`), and the discarded try must not count."""
+
 
 class SuiteRounds:
     """The workload's suite served synchronously, as the plan schedules it (``Engine.serve``)."""
@@ -118,6 +122,9 @@ class SuiteRounds:
 
     def check_memory(self, peak_mb: float | None, capacity: float | None) -> None:
         return None
+
+    def forget_round(self) -> None:
+        """Nothing to drop: a suite round keeps no state of its own."""
 
     def extra(self) -> dict[str, Any]:
         return {}
@@ -173,6 +180,11 @@ class LoadRounds:
             msg = (f"memory headroom tripped under load: peak {peak_mb:.0f} MB of {capacity:.0f} MB leaves less than "
                    f"{self.profile.memory_headroom:.0%} free ({self.clients} clients)")
             raise EngineError(msg)
+
+    def forget_round(self) -> None:
+        """Drop the last round's request counts (a discarded try)."""
+        if self.rounds:
+            self.rounds.pop()
 
     def extra(self) -> dict[str, Any]:
         return {"load": {"mode": self.profile.mode, "clients": self.clients, "requests": len(self.items),

@@ -135,9 +135,7 @@ class Runner:
         while contended(row["contention"]) and reruns < MAX_RERUNS:
             reruns += 1
             discarded.append(row["contention"])
-            forget = getattr(self.source, "forget_round", None)  # a source keeping per-round state drops the discarded try's
-            if forget is not None:
-                forget()
+            self.source.forget_round()  # a source keeping per-round state drops the discarded try's
             served, row = self._timed_round(r)
         if reruns:
             row["reruns"], row["rerun_contention"] = reruns, discarded  # what the discarded tries saw

@@ -374,3 +374,14 @@ def test_a_run_whose_concurrency_pass_raised_the_load_confirms_at_both_loads(fak
     assert conf["drift"]["agrees"] and conf["drift"]["in_step"] == step.metrics[conf["drift"]["metric"]]
     report = (tmp_path / "report.md").read_text()
     assert "at 4 clients (the final plan's offered load)" in report and "Beside it, at 2 clients (the baseline's offered load" in report
+
+
+def test_a_discarded_load_round_leaves_no_counts_behind():
+    """forget_round: the runner re-runs a round another process disturbed; the discarded try's
+    request counts are dropped, so extra()["load"]["rounds"] lists the kept rounds only."""
+    closed = Workload(load={"mode": "closed", "concurrency": 2, "requests": 2})
+    source = LoadRounds(LoadEngine.factory()(Plan(source="fake")), closed, closed.requests())
+    source.serve(0)
+    source.serve(0)
+    source.forget_round()
+    assert len(source.extra()["load"]["rounds"]) == 1
