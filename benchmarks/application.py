@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fractal_opt.errors import FractalOptError
+from fractal_opt.core.errors import FractalOptError
 from fractal_opt.measure.runner import measure, paired_changes
-from fractal_opt.plan import ApplicationPlan, Plan
 from fractal_opt.quality.probes import agreement_between
 from fractal_opt.runtimes import Engine
-from fractal_opt.workload import Workload
+from fractal_opt.tower.plan import ApplicationPlan, Plan
+from fractal_opt.workloads.workload import Workload
 
 MODEL = "smollm2-135m-instruct"
 

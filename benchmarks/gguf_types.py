@@ -41,7 +41,7 @@ BUDGETS = (16, 32, 48)
 
 
 def suite_messages(name: str) -> list[list[dict[str, str]]]:
-    from fractal_opt.workload import Workload
+    from fractal_opt.workloads.workload import Workload
 
     return [r.as_messages() for r in Workload(suite=name).requests()]
 
@@ -140,8 +140,8 @@ def main() -> int:
     args = parser.parse_args()
     from importlib.metadata import version
 
-    from fractal_opt.models import resolve
     from fractal_opt.runtimes.llama_cpp.requantize import requantize
+    from fractal_opt.weights.models import resolve
 
     start = os.getloadavg()
     source = resolve("smollm2-135m-instruct").path

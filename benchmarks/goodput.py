@@ -51,8 +51,8 @@ def log(msg: str) -> None:
 
 def plans(*, sequential: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """(transformers plans, llama.cpp candidates with the prompt cache), by label."""
-    from fractal_opt.plan import Plan
     from fractal_opt.runtimes.llama_cpp.process import NATIVE, executable_problem
+    from fractal_opt.tower.plan import Plan
 
     base = Plan(source="smollm2-135m-instruct")
     continuous = {"batching": "continuous", "max_concurrency": 8, "prefix_cache": True}
@@ -126,8 +126,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout (the log goes to stderr)")
     args = parser.parse_args()
     load_start = os.getloadavg()
-    from fractal_opt.machine import Machine
-    from fractal_opt.recipe import load_recipe
+    from fractal_opt.core.machine import Machine
+    from fractal_opt.language.recipe import load_recipe
     from fractal_opt.runtimes import build, clear_cache
 
     wl = load_recipe(ROOT / "recipes" / "chat-conversations.yaml").workload

@@ -29,13 +29,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fractal_opt.core.machine import Machine
 from fractal_opt.layers.hardware import Attention, Compile, Device, Dtype, MatmulPrecision
 from fractal_opt.layers.model import ContextCap, KVCache, Quantize
-from fractal_opt.machine import Machine
-from fractal_opt.plan import Plan
 from fractal_opt.runtimes import Engine, clear_cache
 from fractal_opt.testing import tiny_model
-from fractal_opt.workload import Request
+from fractal_opt.tower.plan import Plan
+from fractal_opt.workloads.workload import Request
 
 PROMPT = "Tell me about bridges and the rivers under them."
 NEW = 8  # greedy tokens compared per check

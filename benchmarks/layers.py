@@ -25,14 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fractal_opt.core.machine import Machine
 from fractal_opt.layers.hardware import Attention, Compile, Dtype, MatmulPrecision, Threads
 from fractal_opt.layers.model import ContextCap, KVCache, Quantize
-from fractal_opt.machine import Machine
 from fractal_opt.measure.runner import measure
-from fractal_opt.plan import Plan
 from fractal_opt.quality.probes import QualityConfig, agreement, build_reference, model_probes
 from fractal_opt.runtimes import Engine, clear_cache
-from fractal_opt.workload import Workload
+from fractal_opt.tower.plan import Plan
+from fractal_opt.workloads.workload import Workload
 
 MODEL = "smollm2-135m-instruct"
 

@@ -82,11 +82,11 @@ def main() -> int:
 
     import xllamacpp
 
-    from fractal_opt.models import resolve
-    from fractal_opt.plan import HardwarePlan, Plan
     from fractal_opt.runtimes.llama_cpp import LlamaCppEngine, clear_cache
     from fractal_opt.runtimes.llama_cpp.settings import describe
-    from fractal_opt.workload import Workload
+    from fractal_opt.tower.plan import HardwarePlan, Plan
+    from fractal_opt.weights.models import resolve
+    from fractal_opt.workloads.workload import Workload
 
     print(f"xllamacpp {xllamacpp.__version__}, load average before: {os.getloadavg()}")
     requests = Workload(suite="default", max_new_tokens=args.tokens).requests()

@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     from fractal_opt.measure.memory import MemoryWindow
     from fractal_opt.measure.metrics import Sample
     from fractal_opt.measure.noise import paired_interval
-    from fractal_opt.plan import HardwarePlan, Plan
     from fractal_opt.runtimes import Engine
-    from fractal_opt.workload import Workload
+    from fractal_opt.tower.plan import HardwarePlan, Plan
+    from fractal_opt.workloads.workload import Workload
 
     engine = Engine.build(Plan(source="smollm2-135m-instruct", hardware=HardwarePlan(threads=args.threads)), progress=lambda m: None)
     requests = Workload(suite="default", limit=args.requests).requests()

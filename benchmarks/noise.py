@@ -71,7 +71,7 @@ class _SleepyStreamer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fractal_opt.policy import Policy
+    from fractal_opt.language.policy import Policy
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=20, help="trials of each kind (default 20)")
@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     from fractal_opt.measure.busy import snapshot
     from fractal_opt.measure.noise import band
     from fractal_opt.measure.runner import measure, measure_pair, paired_changes
-    from fractal_opt.plan import HardwarePlan, Plan
     from fractal_opt.runtimes import Engine
     from fractal_opt.runtimes.transformers.engine import TransformersEngine
-    from fractal_opt.workload import Workload
+    from fractal_opt.tower.plan import HardwarePlan, Plan
+    from fractal_opt.workloads.workload import Workload
 
     start = snapshot()
     print(f"before: {start.describe()}" + (" -- BUSY" if start.busy else ""), flush=True)

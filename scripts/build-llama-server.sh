@@ -78,7 +78,7 @@ cmake --build "$work/build" --parallel "$(nproc)" --target llama-server > "$work
 echo "build-llama-server: smoke test: one completion on the embedded model"
 "$PY" - "$work/build/bin/llama-server" <<'SMOKE' || { echo "build-llama-server: the built llama-server does not serve on this machine; not installed" >&2; exit 1; }
 import json, socket, subprocess, sys, time, urllib.request
-from fractal_opt.models import resolve
+from fractal_opt.weights.models import resolve
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 gguf = str(resolve("smollm2-135m-instruct").path)

@@ -65,14 +65,14 @@ RECIPES = [
 @pytest.fixture(autouse=True)
 def _in_corpus(monkeypatch):
     """Run from tests/data/bad, and fail the test if anything would load a model's weights."""
-    import fractal_opt.models
     import fractal_opt.runtimes
+    import fractal_opt.weights.models
 
     def no_weights(*args, **kwargs):
         raise AssertionError("bad input reached a model load")
 
     monkeypatch.chdir(BAD)
-    monkeypatch.setattr(fractal_opt.models, "materialize", no_weights)
+    monkeypatch.setattr(fractal_opt.weights.models, "materialize", no_weights)
     monkeypatch.setattr(fractal_opt.runtimes.RUNTIMES, "build", no_weights)
 
 
@@ -139,7 +139,7 @@ def test_prompt_over_a_gguf_models_positions(tmp_path, capsys):
     # The header scan (hand-written for speed) reads what the gguf package's own reader reads.
     from gguf import GGUFReader
 
-    from fractal_opt.models import gguf_metadata
+    from fractal_opt.weights.models import gguf_metadata
 
     meta = gguf_metadata(str(gguf))
     assert meta["llama.context_length"] == GGUFReader(str(gguf)).fields["llama.context_length"].contents() == 32

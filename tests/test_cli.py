@@ -171,7 +171,7 @@ def test_check_echoes_the_code_a_recipe_imports(tiny_dir, small_recipe, tmp_path
 
 def test_passes_json_and_machine_only_reasons(monkeypatch, capsys):
     """`passes --json` lists every pass; on a CPU without bf16 units and no GPU, matmul_precision is unavailable with the reason."""
-    from fractal_opt.machine import Machine
+    from fractal_opt.core.machine import Machine
     from fractal_opt.testing import cpu_machine
 
     monkeypatch.setattr(Machine, "probe", classmethod(lambda cls, *a, **k: cpu_machine()))
@@ -218,8 +218,8 @@ def test_schema_validates_shipped_recipes_and_refuses_a_bad_one(capsys):
 
 def test_schema_covers_every_pass_and_top_level_key():
     """The schema is built from the registry and the recipe's keys: every pass and every top-level key is in it."""
-    from fractal_opt.recipe import TOP_LEVEL
-    from fractal_opt.schema import recipe_schema
+    from fractal_opt.language.recipe import TOP_LEVEL
+    from fractal_opt.language.schema import recipe_schema
 
     schema = recipe_schema()
     assert list(schema["properties"]) == list(TOP_LEVEL)

@@ -6,7 +6,7 @@ import json
 
 from fractal_opt.cli import serve as serve_cli
 from fractal_opt.measure import busy
-from fractal_opt.plan import Plan
+from fractal_opt.tower.plan import Plan
 
 
 def _run_dir(tmp_path, others: float):

@@ -11,9 +11,9 @@ import json
 import pytest
 
 from fractal_opt.pipeline.runner import Pipeline
-from fractal_opt.plan import Plan
 from fractal_opt.runtimes import Engine
 from fractal_opt.testing import embedded_installed
+from fractal_opt.tower.plan import Plan
 
 MODEL = "smollm2-135m-instruct"
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import RecipeError
-from ..machine import Machine
-from ..passes import Pass
-from ..plan import Plan
-from ..recipe import Recipe
+from ..core.errors import RecipeError
+from ..core.machine import Machine
+from ..language.recipe import Recipe
+from ..tower.passes import Pass
+from ..tower.plan import Plan
 from .pairs import Build, Engines, PairResult, measure_plans
 
 __all__ = ["BisectResult", "bisect", "bisect_run", "load_run"]
@@ -112,7 +112,7 @@ def _metric(recipe: Recipe, metric: str | None) -> str:
 
     metric = metric or (recipe.policy.objective if recipe.policy.objective != "auto" else "decode_tokens_per_s")
     if metric not in METRICS:
-        from ..errors import closest
+        from ..core.errors import closest
 
         raise RecipeError(f"bisect: unknown metric {metric!r}. Valid metrics are: {list(METRICS)}.{closest(metric, METRICS)}")
     return metric

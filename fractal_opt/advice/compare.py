@@ -15,15 +15,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import RecipeError
-from ..machine import Machine
+from ..core.errors import RecipeError
+from ..core.machine import Machine
+from ..language.recipe import Recipe, load_recipe
+from ..language.targets import parse_targets
 from ..measure.metrics import METRICS
 from ..measure.noise import band
 from ..measure.runner import measure_pair, paired_changes
 from ..pipeline.targets import gaps
-from ..plan import Plan
-from ..recipe import Recipe, load_recipe
-from ..targets import parse_targets
+from ..tower.plan import Plan
 from .pairs import Build, Engines, PairResult
 
 __all__ = ["Comparison", "Side", "compare", "load_side", "plan_diff"]

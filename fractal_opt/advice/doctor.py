@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..machine import Machine, resolve_device
+from ..core.machine import Machine, resolve_device
 from .recipe_checks import FAIL, NA, OK, WARN, Check, passes_check, runtimes_check
 
 __all__ = ["Check", "busy_check", "doctor", "render"]
@@ -218,7 +218,7 @@ def context_check(recipe: Any, config: dict[str, Any]) -> Check:
 def _positions(model: str) -> int | None:
     """The model's positions from its files (GGUF metadata: the budget's config does not carry them)."""
     try:
-        from ..models import positions, resolve
+        from ..weights.models import positions, resolve
 
         return positions(resolve(model))
     except Exception:  # an older models.py without positions(), or unreadable metadata
@@ -281,7 +281,7 @@ def _built(recipe: Any, machine: Machine, build: Callable[..., Any] | None) -> t
 def doctor(recipe: Any = None, *, machine: Machine | None = None, build: bool | Callable[..., Any] = False, sample_s: float = 1.0) -> list[Check]:
     """Run the checklist. ``recipe``: a Recipe (or path) whose model and plan are checked too;
     ``build``: True (or a build function) also builds the recipe's plan for the census checks."""
-    from ..recipe import load_recipe
+    from ..language.recipe import load_recipe
 
     machine = machine or Machine.probe()
     recipe = load_recipe(recipe) if recipe is not None else None

@@ -11,14 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.machine import Machine
+from ..core.text import fmt
 from ..engine.protocol import Engine
-from ..machine import Machine
 from ..measure.metrics import METRICS, Measurement
 from ..measure.noise import band
 from ..measure.runner import measure_pair, paired_changes
-from ..plan import Plan
-from ..text import fmt
-from ..workload import Workload
+from ..tower.plan import Plan
+from ..workloads.workload import Workload
 
 __all__ = ["Engines", "PairResult", "measure_plans"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..machine import Machine
+from ..core.machine import Machine
 
 __all__ = ["FAIL", "NA", "OK", "WARN", "Check", "passes_check", "runtimes_check"]
 

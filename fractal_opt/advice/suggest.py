@@ -31,15 +31,15 @@ from typing import Any
 
 import yaml
 
-from ..errors import RecipeError
+from ..core.errors import RecipeError
+from ..core.machine import Machine, resolve_device
+from ..language.recipe import Recipe, load_recipe
+from ..language.targets import parse_targets
 from ..layers import get_pass
-from ..machine import Machine, resolve_device
-from ..passes import Layer, Pass
 from ..pipeline.targets import gaps
-from ..plan import Plan
-from ..recipe import Recipe, load_recipe
-from ..targets import parse_targets
-from ..workload import Workload
+from ..tower.passes import Layer, Pass
+from ..tower.plan import Plan
+from ..workloads.workload import Workload
 
 __all__ = ["Advice", "parse_target_arg", "suggest"]
 
@@ -291,7 +291,8 @@ def suggest(model: str, *, workload: str | Workload = "default", targets: Mappin
             progress: Callable[[str], None] | None = None, sample_load: bool = True) -> Advice:
     """Measure a short baseline of ``model`` on ``workload`` (a suite name or file, or a Workload) and
     suggest the passes that attack its bottleneck on this machine."""
-    from .. import models, runtimes
+    from .. import runtimes
+    from ..weights import models
 
     say = progress or (lambda m: None)
     source = models.resolve(model)

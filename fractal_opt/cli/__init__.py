@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import FractalOptError, RecipeError
-from ..quiet import quiet_third_party
+from ..core.errors import FractalOptError, RecipeError
+from ..core.quiet import quiet_third_party
 from . import bisect, budget, check, compare, doctor, export, generate, passes, run, schema, serve, suggest
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help / --version (0) or a bad argument (2, argparse printed why)
         return e.code if isinstance(e.code, int) else 2
-    quiet_third_party()  # the terminal belongs to our report (fractal_opt/quiet.py)
+    quiet_third_party()  # the terminal belongs to our report (fractal_opt/core/quiet.py)
     try:
         return args.func(args)
     except RecipeError as e:

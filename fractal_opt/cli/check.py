@@ -25,9 +25,9 @@ def add(sub) -> None:
 
 def check_file(path: str) -> dict[str, Any]:
     """What ``check`` reports for one file: valid or not, every problem, and the code it would import."""
-    from ..errors import RecipeError
-    from ..recipe import load_recipe
-    from ..validate import problems_of
+    from ..core.errors import RecipeError
+    from ..core.validate import problems_of
+    from ..language.recipe import load_recipe
 
     report: dict[str, Any] = {"file": path, "valid": False, "problems": [], "imports": _declared_code(path)}
     try:
@@ -44,8 +44,8 @@ def _declared_code(path: str) -> list[str]:
     """The probes a file names, read without validating it (so an invalid recipe's code is listed too)."""
     import yaml
 
-    from ..errors import RecipeError
-    from ..validate import MAX_RECIPE_BYTES, parse_yaml, read_text
+    from ..core.errors import RecipeError
+    from ..core.validate import MAX_RECIPE_BYTES, parse_yaml, read_text
 
     try:  # the guarded loader: a hostile file is refused here in milliseconds, as by load_recipe
         data = parse_yaml(read_text(Path(path), what="recipe file", max_bytes=MAX_RECIPE_BYTES), where=path)

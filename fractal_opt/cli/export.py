@@ -20,11 +20,11 @@ def add(sub) -> None:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from .. import models
-    from ..errors import FractalOptError
+    from ..core.errors import FractalOptError
     from ..export import export
-    from ..recipe import load_recipe
+    from ..language.recipe import load_recipe
     from ..runtimes import recipe_source
+    from ..weights import models
 
     source = recipe_source(args.run_dir)
     recipe = load_recipe(source, check_model=False)

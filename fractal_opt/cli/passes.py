@@ -17,9 +17,9 @@ def add(sub) -> None:
 
 def describe_passes() -> list[dict[str, Any]]:
     """Every registered pass, bottom up: its parameters and why this machine cannot run it (or None)."""
+    from ..core.machine import Machine
+    from ..core.validate import plain, type_name
     from ..layers import passes_by_layer
-    from ..machine import Machine
-    from ..validate import plain, type_name
 
     machine = Machine.probe()
     out = []
@@ -53,7 +53,7 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def passes(args: argparse.Namespace) -> int:
-    from ..passes import Layer
+    from ..tower.passes import Layer
 
     entries = describe_passes()
     if args.json:

@@ -29,12 +29,12 @@ def add(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from ..errors import RecipeError
+    from ..core.errors import RecipeError
+    from ..language.recipe import load_recipe
     from ..pipeline.confirm import final_lines
-    from ..pipeline.report_answers import answers_text
     from ..pipeline.report import busy_warning
+    from ..pipeline.report_answers import answers_text
     from ..pipeline.runner import Pipeline
-    from ..recipe import load_recipe
 
     if not args.out.strip():  # Path("") is the current folder: a run would write its files there
         raise RecipeError(f"run --out: got {args.out!r}, expected a folder path (default: fractal-out).")

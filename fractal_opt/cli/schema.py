@@ -12,7 +12,7 @@ def add(sub) -> None:
 
 
 def schema(args: argparse.Namespace) -> int:
-    from ..schema import recipe_schema
+    from ..language.schema import recipe_schema
 
     print(json.dumps(recipe_schema(), indent=2))
     return 0

@@ -46,7 +46,7 @@ def add(sub) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from ..errors import RecipeError
+    from ..core.errors import RecipeError
 
     if not 0 < args.port < 65536:
         raise RecipeError(f"serve --port: got {args.port}, expected a port number in 1..65535.")
@@ -65,7 +65,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.host not in _LOCAL and api_key is None:
         print(f"fractal-opt: warning: listening on {args.host} without --api-key: anyone who can reach this port can use the model.", file=sys.stderr)
 
-    from ..recipe import load_recipe
+    from ..language.recipe import load_recipe
     from ..runtimes import Engine, recipe_source
     from ..serving.http import create_app
     from ..serving.http_protocol import uvicorn_options
@@ -125,7 +125,7 @@ def _busier_than_run(source: str, plan) -> str | None:
 
 def _limits(args: argparse.Namespace):
     """The limit flags as :class:`~fractal_opt.serving.http_limits.HttpLimits`, each checked."""
-    from ..errors import RecipeError
+    from ..core.errors import RecipeError
     from ..serving.http_limits import HttpLimits
 
     values = {"max_body_mb": args.max_body_mb, "header_timeout_s": args.header_timeout_s, "body_timeout_s": args.body_timeout_s,
@@ -206,7 +206,7 @@ def _draining_server(config, **kwargs):
 
 def _check_port(host: str, port: int) -> None:
     """Refuse a port that is taken, with a message (uvicorn would log and exit after the model loads)."""
-    from ..errors import RecipeError
+    from ..core.errors import RecipeError
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:

@@ -83,7 +83,7 @@ class Capabilities:
         whole_device: ``accelerator``: a server reserves most of a GPU at start, so two plans
             cannot be measured side by side there; ``never``: it takes what it needs.
         batch_invariant: a request's greedy tokens do not depend on what it is batched with.
-        default_threads: the :class:`~fractal_opt.machine.Machine` attribute counting the
+        default_threads: the :class:`~fractal_opt.core.machine.Machine` attribute counting the
             threads an instance runs when the plan sets none; None: the runtime picks its own
             count when it starts (the threads pass then cannot tell a no-op).
         idle: what an idle instance costs, and how it is paused and evicted.

@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..workload import Request
+from ..workloads.workload import Request
 
 if TYPE_CHECKING:
-    from ..machine import Machine
-    from ..plan import Plan
-    from ..workload import Workload
+    from ..core.machine import Machine
+    from ..tower.plan import Plan
+    from ..workloads.workload import Workload
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "Engine", "Generation", "as_request"]
 
@@ -173,7 +173,7 @@ class Engine(abc.ABC):
     @property
     def device(self) -> str:
         """The device the model runs on ("cpu", "cuda:0", "mps"): whose memory a measurement watches."""
-        from ..machine import resolve_device
+        from ..core.machine import resolve_device
 
         return resolve_device(self.plan.hardware.device, self.machine)
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..errors import FractalOptError, RecipeError, closest
-from ..machine import Machine, resolve_device
+from ..core.errors import FractalOptError, RecipeError, closest
+from ..core.machine import Machine, resolve_device
 from .capabilities import Capabilities, resolve
 
 if TYPE_CHECKING:
-    from ..plan import Plan
+    from ..tower.plan import Plan
     from .protocol import Engine
 
 __all__ = ["ENTRY_POINT_GROUP", "RUNTIMES", "Runtimes", "register"]

@@ -22,7 +22,7 @@ measured result.
 (tests/serving/test_export.py) iterates the Plan dataclass, so a new plan field fails until mapped.
 
 Example:
-    >>> from fractal_opt.plan import Plan
+    >>> from fractal_opt.tower.plan import Plan
     >>> plan = Plan(source="my-model").replace_section("scheduling", batching="continuous", max_concurrency=8)
     >>> export(plan, "vllm").command[:3]
     ['vllm', 'serve', 'my-model']
@@ -34,8 +34,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import RecipeError, closest
-from ..plan import Plan
+from ..core.errors import RecipeError, closest
+from ..tower.plan import Plan
 from . import gen_config, llama_server, transformers_serve, vllm
 from .common import KINDS, Export, Where, changed, plan_fields, value
 from .gen_config import generation_config

@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ModelSourceError
-from ..plan import SECTIONS, Plan
+from ..core.errors import ModelSourceError
+from ..tower.plan import SECTIONS, Plan
 
 __all__ = ["KINDS", "SHARED", "Export", "Where", "changed", "openai_request", "plan_fields", "served_folder", "stream", "thread_count", "value"]
 
@@ -130,10 +130,10 @@ def served_folder(model: str) -> tuple[str, bool]:
 
     transformers serve 5.x and vLLM take a model folder (or hub id); given a GGUF file they fail or
     load it differently from what was measured. The transformers and vLLM runtimes measure the GGUF
-    dequantized once to safetensors with its tokenizer (:func:`fractal_opt.models.materialize`,
+    dequantized once to safetensors with its tokenizer (:func:`fractal_opt.weights.models.materialize`,
     cached; made now, ~30 s, if it is not there yet), so that folder is what the export names.
     """
-    from ..models import materialize, resolve
+    from ..weights.models import materialize, resolve
 
     try:
         source = resolve(model)

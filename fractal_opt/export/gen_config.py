@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..plan import Plan
+from ..tower.plan import Plan
 from .common import SHARED, Export, Where
 
 __all__ = ["GEN_CONFIG", "RUNTIME", "TABLE", "build", "generation_config"]

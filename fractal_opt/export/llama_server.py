@@ -8,8 +8,8 @@ or given GGUF, or its re-quantized / widened copy when a kept pass made one.
 
 from __future__ import annotations
 
-from ..errors import ModelSourceError
-from ..plan import Plan
+from ..core.errors import ModelSourceError
+from ..tower.plan import Plan
 from .common import SHARED, TORCH_ONLY, Export, Where, stream, thread_count
 
 __all__ = ["RUNTIME", "TABLE", "build"]
@@ -116,8 +116,8 @@ def _requantized_model(plan: Plan, model: str) -> tuple[str, str | None]:
     """(the re-quantized GGUF llama-server loads, or ``model`` with why it could not be made here).
 
     The file is the one the llama_cpp runtime measured (cached; made now if it is not)."""
-    from ..models import resolve
     from ..runtimes.llama_cpp.requantize import DTYPE_TARGETS, model_file
+    from ..weights.models import resolve
 
     try:
         source = resolve(model)

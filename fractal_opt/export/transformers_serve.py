@@ -14,7 +14,7 @@ there would let a client that sends no ``max_tokens`` generate 1,024 tokens.
 
 from __future__ import annotations
 
-from ..plan import Plan
+from ..tower.plan import Plan
 from .common import SHARED, TORCH_ONLY, Export, Where, openai_request, served_folder, thread_count
 from .gen_config import GEN_CONFIG
 from .gen_config import build as write_generation_config

@@ -8,7 +8,7 @@ then needs the original model's tokenizer; the runtime never measured that path)
 
 from __future__ import annotations
 
-from ..plan import Plan
+from ..tower.plan import Plan
 from .common import OWN_SERVER, Export, Where, served_folder, stream, thread_count
 
 __all__ = ["RUNTIME", "build", "table"]

@@ -8,8 +8,8 @@ arithmetic, and ``import fractal_opt`` must stay cheap.
 
 from __future__ import annotations
 
-from ..errors import RecipeError, closest
-from ..passes import ENTRY_POINT_GROUP, Layer, Pass, registered
+from ..core.errors import RecipeError, closest
+from ..tower.passes import ENTRY_POINT_GROUP, Layer, Pass, registered
 from . import application, hardware, model, scheduling  # noqa: F401  (importing registers the built-in passes)
 
 __all__ = ["get_pass", "passes_by_layer", "registry"]

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import ModelSourceError, RecipeError
-from ..machine import Machine
-from ..passes import Layer, Pass, register
-from ..plan import Plan
+from ..core.errors import ModelSourceError, RecipeError
+from ..core.machine import Machine
+from ..tower.passes import Layer, Pass, register
+from ..tower.plan import Plan
 
 __all__ = ["AssistedDecoding", "Decoding", "MaxNewTokens", "PromptBudget", "PromptLookup", "ResponseCache"]
 
@@ -245,7 +245,7 @@ class AssistedDecoding(Pass):
             raise RecipeError(f"pass 'assisted_decoding', parameter 'num_tokens': got {self.num_tokens}, expected an integer >= 1.")
 
     def check(self, plan: Plan, machine: Machine) -> str | None:
-        from .. import models
+        from ..weights import models
 
         if not self.draft:
             return "no draft model given: set draft: to a local model folder, .gguf file or embedded name that shares the main model's tokenizer"

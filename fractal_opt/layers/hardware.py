@@ -14,13 +14,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..batch_sizes import batch_problems
+from ..core.errors import RecipeError, closest
+from ..core.machine import Machine, resolve_device
+from ..core.validate import MAX_TOKENS
 from ..engine.registry import RUNTIMES
-from ..errors import RecipeError, closest
-from ..machine import Machine, resolve_device
-from ..passes import Layer, Pass, register
-from ..plan import Plan
-from ..validate import MAX_TOKENS
+from ..tower.batch_sizes import batch_problems
+from ..tower.passes import Layer, Pass, register
+from ..tower.plan import Plan
 
 __all__ = ["Attention", "Compile", "Device", "Dtype", "FlashAttention", "LlamaBatch", "MatmulPrecision", "Prepack", "Runtime", "Threads"]
 

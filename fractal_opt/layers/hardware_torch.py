@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import RecipeError
-from ..machine import Machine, resolve_device
-from ..passes import Layer, Pass, register
-from ..plan import Plan
+from ..core.errors import RecipeError
+from ..core.machine import Machine, resolve_device
+from ..tower.passes import Layer, Pass, register
+from ..tower.plan import Plan
 
 __all__ = ["Compile", "MatmulPrecision", "Prepack"]
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..core.errors import RecipeError
+from ..core.machine import Machine, resolve_device
 from ..engine.registry import capabilities_of
-from ..errors import RecipeError
-from ..machine import Machine, resolve_device
-from ..passes import Layer, Pass, register
-from ..plan import Plan
-from ..quant_select import check_skip
+from ..tower.passes import Layer, Pass, register
+from ..tower.plan import Plan
+from ..tower.quant_select import check_skip
 
 __all__ = ["BACKEND_PACKAGES", "METHODS", "ContextCap", "KVCache", "Quantize"]
 

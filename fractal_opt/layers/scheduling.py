@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..errors import RecipeError
-from ..machine import Machine
-from ..passes import Layer, Pass, StepResult, register
-from ..plan import Plan
+from ..core.errors import RecipeError
+from ..core.machine import Machine
+from ..tower.passes import Layer, Pass, StepResult, register
+from ..tower.plan import Plan
 
 __all__ = ["Batching", "Concurrency", "PrefixCache", "Queue", "Streaming"]
 

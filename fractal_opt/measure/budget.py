@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import RecipeError
+from ..core.errors import RecipeError
 from .config_shape import Architecture, architecture, resolve_config, shape_from_config
 from .config_source import load_config
 from .roofline import (

@@ -1,6 +1,6 @@
 """Capacity under SLOs: the highest offered load at which every SLO holds, found by a bracketing search.
 
-The offered load is the profile's own knob (:meth:`fractal_opt.workload.LoadProfile.offered`):
+The offered load is the profile's own knob (:meth:`fractal_opt.workloads.workload.LoadProfile.offered`):
 arrivals per second for ``poisson``, users for ``conversations``, clients for ``closed``. A probe
 serves the load at one level and is judged on the profile's SLOs at ``slo_percentile``:
 
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from .metrics import percentile
 
 if TYPE_CHECKING:
-    from ..workload import LoadProfile
+    from ..workloads.workload import LoadProfile
     from .load import LoadResult
 
 __all__ = ["MAX_FAILED", "MIN_FRACTION", "CapacitySearch", "judge_probe", "quantile_interval"]

@@ -15,16 +15,16 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import EngineError
+from ..core.errors import EngineError
 from .capacity import CapacitySearch
 from .conversation_load import by_turn, run_conversations
-from .load_readings import as_generation, load_readings
 from .load import build_items, run_load
+from .load_readings import as_generation, load_readings
 from .metrics import Sample
 
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
-    from ..workload import LoadProfile, Request, Workload
+    from ..workloads.workload import LoadProfile, Request, Workload
     from .load import LoadResult
 
 __all__ = ["CapacityRounds"]

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ModelSourceError
+from ..core.errors import ModelSourceError
 from .roofline import ModelShape, kv_values_per_token
 
 __all__ = ["Architecture", "architecture", "resolve_config", "shape_from_config"]

@@ -3,7 +3,7 @@
 :func:`load_config` answers ``(label, config dict)`` for every source the budget calculator and
 the pre-flight accept, without loading weights: a GGUF file (the embedded model included) gives
 its metadata as a transformers-style config, a hub id its cached or fetched ``config.json``.
-What cannot be read raises :class:`~fractal_opt.errors.ModelSourceError` naming the source and
+What cannot be read raises :class:`~fractal_opt.core.errors.ModelSourceError` naming the source and
 what was tried.
 
 Example:
@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelSourceError
-from ..model_headers import gguf_header
+from ..core.errors import ModelSourceError
+from ..weights.model_headers import gguf_header
 
 __all__ = ["load_config"]
 
@@ -34,7 +34,7 @@ def load_config(source: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, 
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".json":
         return spec, _read_json(path)
-    from .. import models
+    from ..weights import models
 
     src = models.resolve(spec)  # raises with the embedded names and the closest match
     if src.kind == "local":

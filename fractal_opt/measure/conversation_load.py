@@ -32,15 +32,15 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import EngineError, RequestRejected
-from ..workload import Request
+from ..core.errors import EngineError, RequestRejected
+from ..workloads.workload import Request
 from .load import LoadItem, LoadRecord, LoadResult
 from .metrics import percentile
 
 if TYPE_CHECKING:
-    from ..conversations import Conversation
     from ..serving.server import Server
-    from ..workload import LoadProfile
+    from ..workloads.conversations import Conversation
+    from ..workloads.workload import LoadProfile
 
 __all__ = ["by_turn", "run_conversations", "turn_id"]
 

@@ -15,14 +15,14 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import EngineError
+from ..core.errors import EngineError
 from .conversation_load import by_turn, run_conversations
 from .load_readings import as_generation, load_readings
 from .metrics import Sample
 
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
-    from ..workload import Request, Workload
+    from ..workloads.workload import Request, Workload
     from .load import LoadRecord
 
 __all__ = ["ConversationRounds"]

@@ -29,12 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import EngineError, RecipeError, RequestRejected
+from ..core.errors import EngineError, RecipeError, RequestRejected
 from .metrics import percentile
 
 if TYPE_CHECKING:
     from ..serving.server import Server, Ticket
-    from ..workload import LoadProfile, Request
+    from ..workloads.workload import LoadProfile, Request
 
 __all__ = ["LoadItem", "LoadRecord", "LoadResult", "build_items", "run_load"]
 

@@ -1,7 +1,7 @@
 """The machine's ceilings: sustained memory bandwidth and peak matmul throughput, probed once per machine.
 
 :func:`probe_limits` times a large read (sum) and copy and square matmuls per dtype on the device in
-use, and caches the answer in ``fractal_opt.models.cache_dir()/machine-<fingerprint>.json`` (the
+use, and caches the answer in ``fractal_opt.weights.models.cache_dir()/machine-<fingerprint>.json`` (the
 fingerprint hashes the CPU / GPU names, core and memory counts, thread count and torch version), so
 later runs read it back in milliseconds. The probe is kept short (about 2-5 s on a 2-core CPU).
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..machine import Machine
+    from ..core.machine import Machine
     from .roofline import ModelShape
 
 __all__ = ["MachineLimits", "fingerprint", "linear_shapes", "probe_limits"]
@@ -118,8 +118,8 @@ def probe_limits(device: str = "cpu", *, machine: Machine | None = None, cache: 
     """
     import torch
 
-    from ..machine import Machine
-    from ..models import cache_dir
+    from ..core.machine import Machine
+    from ..weights.models import cache_dir
 
     machine = machine or Machine.probe()
     threads = threads or machine.physical_cores

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ..core.machine import Machine
     from ..engine.protocol import Generation
-    from ..machine import Machine
 
 __all__ = ["COST_METRICS", "METRICS", "PERCENTILE_METRICS", "PER_REPEAT", "Measurement", "Sample", "capacity_mb", "percentile", "round_readings"]
 

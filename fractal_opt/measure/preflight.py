@@ -19,7 +19,7 @@ the cache was sized) and decides from them whether two models can be measured si
 Example:
     >>> shape = ModelShape(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64,
     ...                    intermediate=1536, vocab=49152, tied_embeddings=True)
-    >>> from fractal_opt.plan import Plan
+    >>> from fractal_opt.tower.plan import Plan
     >>> reason, numbers = preflight(Plan(source="x"), shape, context=1024, n_requests=4, capacity_bytes=16 * 10**9)
     >>> reason is None, numbers["batch"], numbers["kv_tokens"]
     (True, 1, 1024)
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .roofline import ModelShape, dtype_bits, kv_bytes_per_token, quantized_kv_bytes_per_token, weight_bytes
 
 if TYPE_CHECKING:
-    from ..plan import Plan
+    from ..tower.plan import Plan
 
 __all__ = ["batch_size", "kv_allocation", "preflight"]
 

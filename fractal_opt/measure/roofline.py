@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import RecipeError, closest
+from ..core.errors import RecipeError, closest
 
 __all__ = [
     "DTYPE_BITS",

@@ -24,15 +24,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import EngineError
+from ..core.errors import EngineError
 from .load import build_items, run_load
 from .load_readings import as_generation, load_readings
 from .metrics import PERCENTILE_METRICS, Measurement, Sample
 
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
-    from ..plan import Plan
-    from ..workload import LoadProfile, Request, Workload
+    from ..tower.plan import Plan
+    from ..workloads.workload import LoadProfile, Request, Workload
 
 __all__ = ["LoadRounds", "Round", "Rounds", "SuiteRounds", "offered_clients"]
 

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..threads import raise_in
+from ..core.threads import raise_in
 from .cost import RaplWindow, cost_readings
 from .isolation import CpuAccount, contended, others_quiet, tree_cpu_s
 from .memory import GpuMonitor, MemoryWindow
@@ -44,7 +44,7 @@ from .rounds import LoadRounds, Round, Rounds, SuiteRounds
 
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
-    from ..workload import Request, Workload
+    from ..workloads.workload import Request, Workload
 
 __all__ = ["MAX_RERUNS", "Runner", "in_own_thread", "measure", "measure_pair", "paired_changes"]
 

@@ -37,15 +37,15 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from ..core.text import fmt
 from ..measure.metrics import METRICS, Measurement
 from ..measure.noise import band
 from ..measure.rounds import offered_clients
 from ..measure.runner import measure, measure_pair, paired_changes
-from ..text import fmt
 
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
-    from ..plan import Plan
+    from ..tower.plan import Plan
     from .step_measurement import StepMeasurer
 
 __all__ = ["HEADLINE", "confirm", "drift", "failed", "final_lines", "offered_loads", "same_plan", "traded_lines", "unchanged"]

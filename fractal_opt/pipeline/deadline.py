@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..threads import raise_in
+from ..core.threads import raise_in
 
 __all__ = ["StepTimeout", "WorkerAbandoned", "abandoned", "checkpoint", "run_with_deadline"]
 

@@ -1,6 +1,6 @@
 """Which steps a run tries, and why one is skipped: the same rules for every pass.
 
-A pass tells the runner only through its protocol (:class:`fractal_opt.passes.Pass`):
+A pass tells the runner only through its protocol (:class:`fractal_opt.tower.passes.Pass`):
 ``next_step`` (a search runs as several steps, each proposed from the outcomes of the earlier
 ones: :class:`PassSteps`), ``unavailable`` (the machine lacks a device or a
 package), ``check`` (the pass's own rules), ``apply`` (a plan it does not change is a no-op,
@@ -8,7 +8,7 @@ derived here, never written in the pass), and the runtime's ``refuse`` of the ne
 
 Example:
     >>> from fractal_opt.layers.hardware import Dtype
-    >>> from fractal_opt.plan import Plan
+    >>> from fractal_opt.tower.plan import Plan
     >>> from fractal_opt.testing import cpu_machine
     >>> skip_reason(Dtype(dtype="float32"), Plan(source="x"), cpu_machine(), refuse=lambda plan: None)
     'check: the plan already runs in float32'
@@ -19,11 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from ..core.errors import FractalOptError
+from ..core.machine import Machine
 from ..engine.registry import RUNTIMES
-from ..errors import FractalOptError
-from ..machine import Machine
-from ..passes import Pass, StepResult
-from ..plan import Plan
+from ..tower.passes import Pass, StepResult
+from ..tower.plan import Plan
 
 __all__ = ["MAX_STEPS_PER_PASS", "UNCHANGED", "PassSteps", "skip_reason"]
 
@@ -35,7 +35,7 @@ UNCHANGED = "check: the plan already has this"
 
 
 class PassSteps:
-    """The steps one pass runs, proposed one at a time (:meth:`~fractal_opt.passes.Pass.next_step`)
+    """The steps one pass runs, proposed one at a time (:meth:`~fractal_opt.tower.passes.Pass.next_step`)
     from how the earlier ones ended, which the runner records here.
 
     A plain pass runs once, as itself; a pass whose first step is not itself searches (the

@@ -11,7 +11,7 @@ on resuming, byte for byte, so no whole record is ever rewritten. After the last
 ``final`` record: the final confirmation, so resuming a finished run measures nothing again.
 
 Every other malformed line (not JSON, not an object, a record missing what resuming reads, a
-step out of order) refuses the resume (:class:`~fractal_opt.errors.ResumeError`, exit 2) naming
+step out of order) refuses the resume (:class:`~fractal_opt.core.errors.ResumeError`, exit 2) naming
 the line: a journal is never read past a bad line, and never rewritten around one, because the
 records after it are as valid as those before.
 
@@ -35,11 +35,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import ResumeError
-from ..machine import Machine
+from ..core.errors import ResumeError
+from ..core.machine import Machine
+from ..language.recipe import Recipe
 from ..measure.metrics import Measurement, Sample
-from ..recipe import Recipe
-from ..plan import Plan
+from ..tower.plan import Plan
 from .outputs import write_outputs
 from .trace import Step
 
@@ -78,7 +78,7 @@ def _inputs(recipe: Recipe) -> dict[str, str]:
 def model_files(spec: str) -> dict[str, Any]:
     """The model's files: name -> size and a sha256 (small files) or modification time (the
     weights, too large to hash on every start). A hub id names no local files: it stands for itself."""
-    from ..models import local_files, resolve
+    from ..weights.models import local_files, resolve
 
     try:
         path = resolve(spec).path

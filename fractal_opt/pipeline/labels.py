@@ -13,7 +13,7 @@ __all__ = ["non_default_params", "pass_label"]
 
 def non_default_params(pass_name: str, params: dict[str, Any]) -> dict[str, Any]:
     """``params`` without the ones equal to the pass's defaults, except the first
-    (:meth:`fractal_opt.passes.Pass.shown_params`); all of them for an unknown pass."""
+    (:meth:`fractal_opt.tower.passes.Pass.shown_params`); all of them for an unknown pass."""
     from ..layers import registry
 
     cls = registry().get(pass_name)

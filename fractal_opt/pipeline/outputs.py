@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..errors import RecipeError
+from ..core.errors import RecipeError
 
 __all__ = ["OUTPUTS", "check_writable", "fsync_dir", "write_outputs"]
 

@@ -10,8 +10,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..measure.metrics import Measurement
-from ..passes import Pass
-from ..plan import Plan
+from ..tower.passes import Pass
+from ..tower.plan import Plan
 from .deadline import StepTimeout, WorkerAbandoned
 
 __all__ = ["MEASURED_EXTRA", "contention_note", "failure_text", "gate_stage", "metrics", "plan_text", "startup_note", "traceback_text"]

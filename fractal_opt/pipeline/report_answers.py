@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..text import clip
+from ..core.text import clip
 
 __all__ = ["AnswerPair", "answer_pairs", "answers_html", "answers_lines", "answers_text", "final_quality"]
 

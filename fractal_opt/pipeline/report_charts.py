@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..passes import Layer
-from ..policy import QUALITY_METRICS, Guard, Policy
-from ..text import clip as _clip
-from ..text import fmt
+from ..core.text import clip as _clip
+from ..core.text import fmt
+from ..language.policy import QUALITY_METRICS, Guard, Policy
+from ..tower.passes import Layer
 from .report_parts import STATUS_TEXT, Step, Trace, cell, label, layer_of, objective_of, pct
 from .report_svg import COLOURS, Bar, Svg, data_attrs, esc, fmt_num, hbar_chart, is_num, nice_max, range_chart
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..errors import RecipeError
-from ..passes import Layer
-from ..policy import Policy
+from ..core.errors import RecipeError
+from ..language.policy import Policy
+from ..tower.passes import Layer
 from . import one_user
 from .labels import pass_label
 from .report_svg import data_attrs, esc, fmt_num, is_num

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..policy import Policy
+from ..language.policy import Policy
 from . import one_user
 from .confirm import final_lines
 from .report_parts import STATUS_TEXT, Step, Trace, cell, figure_html, label, pct

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..text import clip
+from ..core.text import clip
 
 __all__ = ["COLOURS", "Bar", "Svg", "data_attrs", "esc", "fmt_num", "hbar_chart", "nice_max", "range_chart"]
 

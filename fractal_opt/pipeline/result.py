@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..plan import Plan
-from ..recipe import Recipe, dump_recipe
+from ..language.recipe import Recipe, dump_recipe
+from ..tower.plan import Plan
 from .outputs import write_outputs
 from .trace import Trace
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import RecipeError, ResumeError
-from ..machine import Machine
+from ..core.errors import RecipeError, ResumeError
+from ..core.machine import Machine
+from ..language.recipe import Recipe
 from ..measure.metrics import Measurement
-from ..plan import Plan
-from ..recipe import Recipe
+from ..tower.plan import Plan
 from .journal import JOURNAL, Journal, fingerprint, measurement_from_dict, measurement_to_dict
 from .outputs import OUTPUTS, check_writable
 from .trace import Step, Trace

@@ -48,8 +48,8 @@ def model_fingerprint(spec: str) -> dict[str, Any]:
     A hub id is not hashed (nothing is downloaded to look), and a model that cannot be resolved
     says why; neither stops a run.
     """
-    from ..errors import ModelSourceError
-    from ..models import local_files, resolve
+    from ..core.errors import ModelSourceError
+    from ..weights.models import local_files, resolve
 
     try:
         source = resolve(spec)

@@ -16,18 +16,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..core.errors import EngineError, ModelSourceError, RecipeError, RunFailed
+from ..core.machine import Machine, resolve_device
+from ..core.quiet import quiet_third_party
+from ..core.text import clip
 from ..engine.protocol import Engine
 from ..engine.registry import RUNTIMES, Runtimes
-from ..errors import EngineError, ModelSourceError, RecipeError, RunFailed
-from ..machine import Machine, resolve_device
+from ..language.recipe import Recipe, load_recipe
 from ..measure.machine_limits import MachineLimits, probe_limits
 from ..measure.metrics import Measurement
-from ..passes import Layer, Pass
-from ..plan import Plan
-from ..quiet import quiet_third_party
-from ..recipe import Recipe, load_recipe
-from ..text import clip
-from ..workload import Request
+from ..tower.passes import Layer, Pass
+from ..tower.plan import Plan
+from ..workloads.workload import Request
 from . import confirm, records
 from .deadline import StepTimeout, WorkerAbandoned, checkpoint, run_with_deadline
 from .gate import PassSteps
@@ -136,7 +136,7 @@ class Pipeline:
     def _baseline(self, machine: Machine) -> None:
         """The baseline: from the journal when resuming, else measured (:meth:`_measure_baseline`)
         within ``policy.timeout_s``. A failing baseline ends the run: the failure is recorded in
-        trace.json (finished) and :class:`~fractal_opt.errors.RunFailed` says why."""
+        trace.json (finished) and :class:`~fractal_opt.core.errors.RunFailed` says why."""
         if not self._restore_baseline(machine):
             try:
                 run_with_deadline(lambda: self._measure_baseline(machine), self.recipe.policy.timeout_s, name="baseline")
@@ -383,7 +383,7 @@ def optimize(recipe: Recipe | str | Path | dict, *, out: str | Path | None = Non
     """Optimize the model a recipe names; write trace.json, report.md and recipe.yaml to ``out``.
 
     ``resume=True`` continues the killed run in ``out`` from its journal; ``force=True`` replaces
-    the run there (without either, a folder holding a run is refused: :class:`~fractal_opt.errors.ResumeError`).
+    the run there (without either, a folder holding a run is refused: :class:`~fractal_opt.core.errors.ResumeError`).
     ``runtimes``: the runtimes the run may use (default: the process's registry, :data:`fractal_opt.runtimes.RUNTIMES`).
 
     Example:

@@ -21,14 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.machine import Machine
 from ..engine.protocol import Engine
-from ..machine import Machine
+from ..language.policy import Verdict
+from ..language.recipe import Recipe
 from ..measure.metrics import Measurement
-from ..passes import Layer, Pass
-from ..plan import Plan
-from ..policy import Verdict
 from ..quality.probes import agreement_between
-from ..recipe import Recipe
+from ..tower.passes import Layer, Pass
+from ..tower.plan import Plan
 from . import records
 from .deadline import StepTimeout, abandoned, checkpoint
 from .gate import skip_reason

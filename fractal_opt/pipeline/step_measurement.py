@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.machine import Machine, resolve_device
 from ..engine.protocol import Engine
 from ..engine.registry import RUNTIMES, Runtimes
-from ..machine import Machine, resolve_device
 from ..measure.budget import load_config, shape_from_config
 from ..measure.busy import BusySnapshot, snapshot, wait_quiet
 from ..measure.machine_limits import probe_limits
@@ -42,8 +42,8 @@ from ..measure.noise import band, resolution
 from ..measure.preflight import batch_size, preflight
 from ..measure.roofline import ModelShape, dtype_bits, kv_bytes_per_token, step_roofline, unreliable_shares
 from ..measure.runner import Runner, measure, measure_pair, paired_changes
-from ..plan import Plan
-from ..workload import Request, Workload
+from ..tower.plan import Plan
+from ..workloads.workload import Request, Workload
 
 __all__ = ["CALIBRATION_MAX_ROUNDS", "Comparison", "StepMeasurer", "calibration_rounds", "read_shape"]
 

@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from ..engine.protocol import Engine
+from ..language.recipe import Recipe
 from ..measure.metrics import Measurement
-from ..plan import Plan
 from ..quality.evals import eval_set_name, load_eval_set, score
 from ..quality.probes import agreement, build_reference, model_probes
-from ..recipe import Recipe
-from ..workload import Request
+from ..tower.plan import Plan
+from ..workloads.workload import Request
 
 __all__ = ["StepQuality", "eval_key"]
 

@@ -7,7 +7,7 @@ met, and ``--stop-at-target`` ends a run once all are. A target no pass reached 
 the roofline of the final plan (``metrics["roofline"]``) against the machine's ceilings
 (``trace.machine["limits"]``): how many bytes or FLOPs the target needs, and what this machine gives.
 
-Directions come from the metric tables (:data:`fractal_opt.policy.ALL_METRICS`): higher is
+Directions come from the metric tables (:data:`fractal_opt.language.policy.ALL_METRICS`): higher is
 better for tokens/s and accuracy, lower for latencies, memory and KL.
 
 Example:
@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..policy import ALL_METRICS
-from ..targets import Target, Targets, parse_targets
-from ..text import fmt
+from ..core.text import fmt
+from ..language.policy import ALL_METRICS
+from ..language.targets import Target, Targets, parse_targets
 
 __all__ = ["Target", "Targets", "all_met", "binding_limit", "gaps", "note_targets", "parse_targets", "stop_reason", "target_lines", "target_summary"]
 

@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import FractalOptError
+from ..core.errors import FractalOptError
 from .confirm import final_lines
-from .report_answers import answers_lines
-from .report_tables import guard_lines, load_table, time_lines, work_table
 from .labels import pass_label
 from .report import calibration_lines, final_one_user_lines, measurement_lines, one_user_lines
+from .report_answers import answers_lines
+from .report_tables import guard_lines, load_table, time_lines, work_table
 from .run_info import now, run_info, wall_time
 from .targets import target_lines, target_summary
 
@@ -198,7 +198,7 @@ class Trace:
         recipe also pins the count the runtime reported it ran with (its census ``threads``), so
         the plan served and exported is the one measured, and a server beside other work runs a
         known count instead of whatever the next machine's default is."""
-        from ..recipe import parse_recipe
+        from ..language.recipe import parse_recipe
 
         data = dict(self.recipe)
         kept: dict[str, list] = {}

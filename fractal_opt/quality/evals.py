@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from ..errors import RecipeError, closest
-from ..validate import Problems, load_data
-from ..workload import Request
+from ..core.errors import RecipeError, closest
+from ..core.validate import Problems, load_data
+from ..workloads.workload import Request
 
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
@@ -117,7 +117,7 @@ def eval_set_name(eval_field: str | None, model: str) -> str | None:
     model (its questions would say nothing about a model nobody here has scored)."""
     if eval_field != AUTO:
         return eval_field
-    from ..models import EMBEDDED
+    from ..weights.models import EMBEDDED
 
     return "basics" if model in EMBEDDED else None
 

@@ -74,7 +74,7 @@ class QualityConfig:
     allow_code: bool = False
 
     def __post_init__(self) -> None:
-        from ..errors import RecipeError
+        from ..core.errors import RecipeError
 
         if self.reference_tokens < 16:
             raise RecipeError(f"quality, key 'reference_tokens': got {self.reference_tokens}, expected an integer >= 16.")
@@ -96,7 +96,7 @@ class QualityConfig:
         """Import the custom probes (``module:function``); each takes the engine, returns named numbers."""
         import importlib
 
-        from ..errors import RecipeError
+        from ..core.errors import RecipeError
 
         if self.probes and not self.allow_code:  # also for a QualityConfig changed after validation
             raise RecipeError(f"quality, key 'probes': importing {list(self.probes)} needs quality.allow_code: true.")

@@ -22,12 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..core.errors import RecipeError
+from ..core.machine import Machine
 from ..engine import protocol
 from ..engine.capabilities import Capabilities, Idle, Refusal
 from ..engine.registry import RUNTIMES, Runtimes, register
-from ..errors import RecipeError
-from ..machine import Machine
-from ..plan import Plan
+from ..tower.plan import Plan
 from .llama_cpp.capabilities import CAPABILITIES as _LLAMA_CPP
 from .transformers.capabilities import CAPABILITIES as _TRANSFORMERS
 from .vllm.capabilities import CAPABILITIES as _VLLM
@@ -63,7 +63,7 @@ def build(plan: Plan, *, machine: Machine | None = None, progress: Callable[[str
 
 
 def recipe_source(source: Any) -> Any:
-    """``source`` as :func:`~fractal_opt.recipe.load_recipe` takes it: a run folder (what
+    """``source`` as :func:`~fractal_opt.language.recipe.load_recipe` takes it: a run folder (what
     ``fractal-opt run --out DIR`` writes) becomes the tuned ``recipe.yaml`` inside it; anything
     else is returned as is.
 
@@ -85,7 +85,7 @@ def recipe_source(source: Any) -> Any:
 def from_recipe(recipe: Any, *, progress: Callable[[str], None] = print) -> protocol.Engine:
     """Build the deployment a recipe describes: a path, a run folder (its tuned recipe.yaml), YAML
     text, a dict or a Recipe."""
-    from ..recipe import load_recipe
+    from ..language.recipe import load_recipe
 
     rec = load_recipe(recipe_source(recipe))
     return build(rec.plan(), progress=progress, max_new_tokens=rec.workload.max_new_tokens)

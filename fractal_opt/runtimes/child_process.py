@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import EngineError
+from ..core.errors import EngineError
 from ..measure.isolation import add_live_group, discard_live_group
 
 __all__ = ["ServerProcess", "Supervised", "free_port"]

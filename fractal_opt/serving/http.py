@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..errors import BadRequest, EngineError, RecipeError, RequestRejected
+from ..core.errors import BadRequest, EngineError, RecipeError, RequestRejected
 from .http_limits import BodyError, HttpLimits, read_json
 from .http_metrics import ServeMetrics
 from .http_stream import TicketStream, Watch, sse, whole

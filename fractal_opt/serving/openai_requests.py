@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadRequest, closest
+from ..core.errors import BadRequest, closest
 from .sampling import check
 
 __all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "NEUTRAL", "Parsed", "parse_chat", "parse_completion"]

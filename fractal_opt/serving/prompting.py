@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import RecipeError, closest
+from ..core.errors import RecipeError, closest
 
 __all__ = ["STRATEGIES", "Fitted", "HFTokens", "Tokens", "WordTokens", "fit_prompt", "split_chunks"]
 

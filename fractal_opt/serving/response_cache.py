@@ -36,7 +36,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import FractalOptError
+from ..core.errors import FractalOptError
 
 __all__ = ["EMBEDDING_PACKAGE", "CacheHit", "MiniLMEmbedder", "ResponseCache", "embedder_unavailable", "normalize"]
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadRequest
+from ..core.errors import BadRequest
 
 __all__ = ["Decoding", "Sampling", "check", "decoding", "differs"]
 

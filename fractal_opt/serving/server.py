@@ -23,7 +23,7 @@ Modes (``plan.scheduling.batching``):
   runtime, its own continuous batching on a paged KV cache, whose blocks a cancelled or timed-out
   request frees at the next step; llama.cpp and vLLM batch continuously themselves).
 
-Every mode has a bounded queue: a full queue raises :class:`~fractal_opt.errors.RequestRejected`
+Every mode has a bounded queue: a full queue raises :class:`~fractal_opt.core.errors.RequestRejected`
 instead of growing. Ticket states: queued -> running -> done | timeout | cancelled | error, or
 rejected at submission. Every ticket ends exactly once.
 
@@ -41,9 +41,9 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..core.errors import BadRequest, EngineError, RequestRejected
 from ..engine.protocol import Generation, as_request
-from ..errors import BadRequest, EngineError, RequestRejected
-from ..workload import Request
+from ..workloads.workload import Request
 from .sampling import Decoding, Sampling, check, decoding, differs
 from .ticket import TERMINAL, Ticket
 

@@ -17,9 +17,9 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+from ..core.errors import EngineError, RequestRejected
 from ..engine.protocol import Generation
-from ..errors import EngineError, RequestRejected
-from ..workload import Request
+from ..workloads.workload import Request
 from .sampling import Sampling
 
 __all__ = ["TERMINAL", "Ticket"]

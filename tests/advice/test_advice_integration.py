@@ -7,10 +7,10 @@ import pytest
 
 from fractal_opt.advice.bisect import bisect
 from fractal_opt.advice.suggest import suggest
+from fractal_opt.language.recipe import load_recipe
 from fractal_opt.pipeline.runner import Pipeline
-from fractal_opt.recipe import load_recipe
 from fractal_opt.testing import embedded_installed
-from fractal_opt.workload import Workload
+from fractal_opt.workloads.workload import Workload
 
 MODEL = "smollm2-135m-instruct"
 

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from fractal_opt.advice.doctor import FAIL, NA, OK, WARN, busy_check, census_checks, doctor, render
-from fractal_opt.machine import Machine
-from fractal_opt.plan import ModelPlan, Plan
-from fractal_opt.recipe import load_recipe
+from fractal_opt.core.machine import Machine
+from fractal_opt.language.recipe import load_recipe
 from fractal_opt.testing import LLAMA_SHAPE, FakeEngine, cpu_machine, fake_model_folder
+from fractal_opt.tower.plan import ModelPlan, Plan
 
 LLAMA = {**LLAMA_SHAPE, "max_position_embeddings": 1024}
 

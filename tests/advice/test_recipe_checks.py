@@ -5,7 +5,7 @@ from __future__ import annotations
 from conftest import small_recipe_dict
 
 from fractal_opt.advice.recipe_checks import OK, WARN, runtimes_check
-from fractal_opt.recipe import load_recipe
+from fractal_opt.language.recipe import load_recipe
 from fractal_opt.testing import cpu_machine, fake_model_folder
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from fractal_opt.advice.suggest import parse_target_arg, suggest
-from fractal_opt.errors import RecipeError
+from fractal_opt.core.errors import RecipeError
+from fractal_opt.language.recipe import load_recipe
 from fractal_opt.measure.machine_limits import MachineLimits
-from fractal_opt.recipe import load_recipe
 from fractal_opt.testing import LLAMA_SHAPE, FakeEngine, cpu_machine, fake_model_folder
 
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
@@ -20,7 +20,7 @@ def model_dir(tmp_path_factory):
 
 
 def _suggest(model_dir, *, machine=None, **fake):
-    from fractal_opt.workload import Workload
+    from fractal_opt.workloads.workload import Workload
 
     return suggest(str(model_dir), workload=Workload(suite="default", limit=3, max_new_tokens=8), machine=machine or cpu_machine(),
                    build=FakeEngine.factory(**fake), refuse=FakeEngine.refuse, limits=LIMITS, sample_load=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fractal_opt.engine.capabilities import Capabilities, Refusal, refusals, resolve
-from fractal_opt.plan import Plan
+from fractal_opt.tower.plan import Plan
 
 ROWS = (
     Refusal("application.num_beams", lambda p: p.application.num_beams > 1, "no beam search here"),

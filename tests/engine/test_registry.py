@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from fractal_opt.core.errors import RecipeError
 from fractal_opt.engine.capabilities import Capabilities
 from fractal_opt.engine.registry import RUNTIMES, Runtimes
-from fractal_opt.errors import RecipeError
-from fractal_opt.plan import Plan
 from fractal_opt.testing import FakeEngine, cpu_machine
+from fractal_opt.tower.plan import Plan
 
 
 def _caps(name: str, **kw) -> Capabilities:

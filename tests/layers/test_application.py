@@ -7,18 +7,18 @@ import torch
 import yaml
 from conftest import quiet
 
-from fractal_opt.errors import EngineError, RecipeError
+from fractal_opt.core.errors import EngineError, RecipeError
+from fractal_opt.language.recipe import load_recipe
 from fractal_opt.layers.application import AssistedDecoding, Decoding, MaxNewTokens, PromptBudget, PromptLookup, ResponseCache
 from fractal_opt.measure.clock import TokenClock
 from fractal_opt.measure.metrics import Sample
 from fractal_opt.measure.runner import measure
 from fractal_opt.pipeline.runner import Pipeline
-from fractal_opt.plan import ApplicationPlan, Plan, SchedulingPlan
-from fractal_opt.recipe import load_recipe
 from fractal_opt.runtimes import Engine
 from fractal_opt.runtimes.transformers.generate_kwargs import generate_kwargs
 from fractal_opt.testing import check_pass, tiny_model
-from fractal_opt.workload import Workload
+from fractal_opt.tower.plan import ApplicationPlan, Plan, SchedulingPlan
+from fractal_opt.workloads.workload import Workload
 
 NEW = 12
 PASSES = (MaxNewTokens, Decoding, PromptBudget, ResponseCache, PromptLookup, AssistedDecoding)

@@ -7,15 +7,15 @@ import os
 import pytest
 from conftest import PadTokenizer, quiet
 
-from fractal_opt.errors import RecipeError
+from fractal_opt.core.errors import RecipeError
+from fractal_opt.core.machine import resolve_device
 from fractal_opt.layers.hardware import Compile, Device, MatmulPrecision, Prepack
 from fractal_opt.layers.model import ContextCap, KVCache
-from fractal_opt.machine import resolve_device
-from fractal_opt.plan import HardwarePlan, ModelPlan, Plan
 from fractal_opt.runtimes import Engine
 from fractal_opt.runtimes.transformers.generate_kwargs import generate_kwargs
 from fractal_opt.runtimes.transformers.torch_knobs import runtime
 from fractal_opt.testing import cpu_machine
+from fractal_opt.tower.plan import HardwarePlan, ModelPlan, Plan
 
 PLAN = Plan(source="tiny")
 CUDA = cpu_machine(cuda_devices=("NVIDIA H100",), cuda_memory_bytes=(80 * 2**30,), cuda_bf16=True)
@@ -220,8 +220,8 @@ def test_hardware_plan_defaults_are_plain_transformers():
 def test_bfloat16_trade_is_decided_by_the_recipe(policy, kept):
     """bfloat16's CPU trade (decode 19.4 -> 31.5 tok/s, 512-token TTFT 0.98 -> 5.71 s; cpu-passes.md): a TTFT objective drops it,
     a decode objective keeps it only when the recipe lifts the TTFT regression guard, and the reason names both numbers."""
-    from fractal_opt.passes import Layer
-    from fractal_opt.recipe import load_recipe
+    from fractal_opt.language.recipe import load_recipe
+    from fractal_opt.tower.passes import Layer
 
     before = {"decode_tokens_per_s": 19.4, "ttft_ms": 980.0, "throughput_tokens_per_s": 18.0, "peak_memory_mb": 1010.0, "kl_mean": 0.0}
     after = {"decode_tokens_per_s": 31.5, "ttft_ms": 5710.0, "throughput_tokens_per_s": 18.5, "peak_memory_mb": 723.0, "kl_mean": 0.0011}
@@ -237,8 +237,8 @@ def test_bfloat16_trade_is_decided_by_the_recipe(policy, kept):
 def test_threads_that_change_nothing_are_skipped_by_check():
     """A threads pass resolving to torch's current count is refused: measuring a no-op lets noise decide."""
     from fractal_opt.layers.hardware import Threads
-    from fractal_opt.plan import Plan
     from fractal_opt.testing import cpu_machine
+    from fractal_opt.tower.plan import Plan
 
     machine = cpu_machine(torch_threads=2, physical_cores=2)
     assert "already runs 2 intra-op threads" in Threads(count="auto").check(Plan(source="x"), machine)
@@ -248,8 +248,8 @@ def test_threads_that_change_nothing_are_skipped_by_check():
 def test_threads_on_another_runtime_are_measured_against_its_own_default():
     """On llama.cpp the plan's default thread count is llama.cpp's, not torch's: threads auto is tried, not skipped."""
     from fractal_opt.layers.hardware import Threads
-    from fractal_opt.plan import Plan
     from fractal_opt.testing import cpu_machine
+    from fractal_opt.tower.plan import Plan
 
     machine = cpu_machine(torch_threads=2, physical_cores=2)
     on_llama = Plan(source="x").replace_section("hardware", runtime="llama_cpp")
@@ -262,8 +262,8 @@ def test_threads_on_llama_cpp_set_its_decode_and_batch_threads():
     """On llama.cpp the threads pass's count reaches n_threads and prefill's batch threads; without a count the machine's physical cores are passed, stated."""
     pytest.importorskip("xllamacpp")
     from fractal_opt.layers.hardware import Threads
-    from fractal_opt.plan import Plan
     from fractal_opt.runtimes.llama_cpp.settings import common_params, server_settings
+    from fractal_opt.tower.plan import Plan
 
     on_llama = Plan(source="x").replace_section("hardware", runtime="llama_cpp")
     p = common_params(server_settings(Threads(count=1).apply(on_llama), "m.gguf", physical_cores=2))
@@ -304,7 +304,7 @@ def test_prepacked_head_builds_and_keeps_greedy_tokens(lively_dir):
     """The built model's lm_head is oneDNN's MkldnnLinear, the census counts the packed copy, and greedy tokens do not change."""
     from torch.utils.mkldnn import MkldnnLinear
 
-    from fractal_opt.workload import Workload
+    from fractal_opt.workloads.workload import Workload
 
     base = Plan(source=str(lively_dir))
     plain, packed = Engine.build(base, progress=quiet), Engine.build(Prepack().apply(base), progress=quiet)
@@ -323,7 +323,7 @@ def test_prepacked_head_builds_and_keeps_greedy_tokens(lively_dir):
 )
 def test_prepack_build_fails_clearly_on_a_module_it_cannot_pack(tiny_dir, model, needle):
     """A missing module (with the closest name) or one quantized by then fails the build, saying which."""
-    from fractal_opt.errors import EngineError
+    from fractal_opt.core.errors import EngineError
 
     prepack = ("lm_haed",) if not model else ("lm_head",)
     plan = Plan(source=str(tiny_dir)).replace_section("hardware", prepack=prepack).replace_section("model", **model)
@@ -333,7 +333,7 @@ def test_prepack_build_fails_clearly_on_a_module_it_cannot_pack(tiny_dir, model,
 
 def test_runtime_pass_sets_the_runtime_and_its_vllm_fields():
     """The runtime pass names the runtime; vLLM's location and parallel sizes apply to vllm only."""
-    from fractal_opt.errors import RecipeError
+    from fractal_opt.core.errors import RecipeError
     from fractal_opt.layers.hardware import Runtime
 
     plan = Runtime(backend="vllm", url="http://127.0.0.1:8000", tensor_parallel=2).apply(PLAN)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 from conftest import PadTokenizer, quiet
 
-from fractal_opt.errors import EngineError, RecipeError, RequestRejected
+from fractal_opt.core.errors import EngineError, RecipeError, RequestRejected
 from fractal_opt.layers.model import ContextCap, KVCache, Quantize
 from fractal_opt.pipeline.gate import skip_reason
-from fractal_opt.plan import Plan
-from fractal_opt.quant_select import check_skip, expand, skipped
 from fractal_opt.runtimes import Engine
 from fractal_opt.runtimes.transformers.generate_kwargs import generate_kwargs
 from fractal_opt.testing import cpu_machine
+from fractal_opt.tower.plan import Plan
+from fractal_opt.tower.quant_select import check_skip, expand, skipped
 
 PLAN = Plan(source="tiny")
 WITH_QUANTO = cpu_machine(packages={**cpu_machine().packages, "optimum-quanto": "0.2.7", "hqq": "0.2.8"})
@@ -236,7 +236,7 @@ def test_quantized_kv_cache_generates(lively_dir, backend, bits):
     pytest.importorskip({"quanto": "optimum.quanto", "hqq": "hqq"}[backend])
     plan = KVCache(implementation="quantized", backend=backend, bits=bits).apply(Plan(source=str(lively_dir)))
     engine = Engine.build(plan, progress=quiet)
-    from fractal_opt.workload import Workload
+    from fractal_opt.workloads.workload import Workload
 
     (gen,) = engine.serve(Workload().requests()[:1], max_new_tokens=5)
     assert gen.new_tokens == 5

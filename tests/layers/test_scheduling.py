@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from fractal_opt.errors import RecipeError
+from fractal_opt.core.errors import RecipeError
+from fractal_opt.language.policy import Guard
 from fractal_opt.layers.scheduling import Batching, Concurrency, Queue, Streaming
-from fractal_opt.passes import StepResult
 from fractal_opt.pipeline.gate import PassSteps, skip_reason
-from fractal_opt.plan import ApplicationPlan, ModelPlan, Plan, SchedulingPlan
-from fractal_opt.policy import Guard
 from fractal_opt.serving.server import in_flight_limit
 from fractal_opt.testing import check_pass
+from fractal_opt.tower.passes import StepResult
+from fractal_opt.tower.plan import ApplicationPlan, ModelPlan, Plan, SchedulingPlan
 
 PLAN = Plan(source="tiny")
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fractal_opt.errors import FractalOptError, ModelSourceError
+from fractal_opt.core.errors import FractalOptError, ModelSourceError
 from fractal_opt.measure.budget import budget
 
 SMOLLM2 = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,

@@ -19,9 +19,9 @@ from fractal_opt.measure.busy import BusySnapshot, snapshot, wait_quiet
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.pipeline.report import busy_warning, calibration_lines
 from fractal_opt.pipeline.step_measurement import CALIBRATION_MAX_ROUNDS, StepMeasurer, calibration_rounds
-from fractal_opt.plan import Plan
 from fractal_opt.testing import FakeEngine, cpu_machine
-from fractal_opt.workload import Workload
+from fractal_opt.tower.plan import Plan
+from fractal_opt.workloads.workload import Workload
 
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
 QUIET = BusySnapshot(load_average=(0.1, 0.1, 0.1), cores=2, others_cores=0.0)
@@ -188,9 +188,9 @@ def test_calibration_next_to_a_cpu_burner_warns_in_the_report(tmp_path, mixed_su
     A/A band as they would a model's; with min_effect 0.1% the 2-round band cannot resolve it
     (1% was too coarse: the scheduler can share the cores so evenly that one clean-clone CI run
     read a 0.28% band next to the burners)."""
+    from fractal_opt.language.recipe import parse_recipe
     from fractal_opt.pipeline import step_measurement
     from fractal_opt.pipeline.runner import Pipeline
-    from fractal_opt.recipe import parse_recipe
 
     monkeypatch.setattr(step_measurement, "snapshot", snapshot)  # the real 1 s reading (conftest shortens it for every other run)
     data = small_recipe_dict("fake", policy={"min_effect": 0.001}, suite=str(mixed_suite), max_new_tokens=16, repeats=2, max_repeats=3)

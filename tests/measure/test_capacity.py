@@ -7,7 +7,7 @@ import pytest
 
 from fractal_opt.measure.capacity import CapacitySearch, judge_probe, quantile_interval
 from fractal_opt.measure.load import LoadRecord, LoadResult
-from fractal_opt.workload import LoadProfile
+from fractal_opt.workloads.workload import LoadProfile
 
 
 def _result(ttfts_ms, *, rejected=0) -> LoadResult:
@@ -78,8 +78,8 @@ def test_quantile_interval_brackets_the_percentile():
 
 def test_judging_on_capacity_needs_a_capacity_load():
     """A recipe whose objective or target is capacity, without load capacity: true, is refused before any model loads."""
-    from fractal_opt.errors import RecipeError
-    from fractal_opt.recipe import parse_recipe
+    from fractal_opt.core.errors import RecipeError
+    from fractal_opt.language.recipe import parse_recipe
 
     with pytest.raises(RecipeError, match="judges on 'capacity'"):
         parse_recipe({"model": "smollm2-135m-instruct", "targets": {"capacity": 8}})

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from fractal_opt.measure.runner import measure
-from fractal_opt.plan import Plan, SchedulingPlan
 from fractal_opt.runtimes import Engine
-from fractal_opt.workload import Workload
+from fractal_opt.tower.plan import Plan, SchedulingPlan
+from fractal_opt.workloads.workload import Workload
 
 
 @pytest.mark.parametrize("mode", ["closed", "conversations"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fractal_opt.errors import ModelSourceError
+from fractal_opt.core.errors import ModelSourceError
 from fractal_opt.measure.budget import budget
 from fractal_opt.measure.config_shape import shape_from_config
 from fractal_opt.measure.config_source import load_config

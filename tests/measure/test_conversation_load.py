@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from fractal_opt.conversations import Conversation
-from fractal_opt.errors import RecipeError
+from fractal_opt.core.errors import RecipeError
 from fractal_opt.measure.conversation_load import by_turn, run_conversations
 from fractal_opt.measure.load import LoadRecord
-from fractal_opt.plan import Plan, SchedulingPlan
 from fractal_opt.runtimes import Engine
-from fractal_opt.workload import LoadProfile
+from fractal_opt.tower.plan import Plan, SchedulingPlan
+from fractal_opt.workloads.conversations import Conversation
+from fractal_opt.workloads.workload import LoadProfile
 
 CONV = Conversation(id="c", system="You are terse.", turns=(("first question", "recorded one"), ("second question", "recorded two"), ("third", None)))
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from fractal_opt.measure.runner import measure
-from fractal_opt.plan import Plan, SchedulingPlan
 from fractal_opt.runtimes import Engine
-from fractal_opt.workload import Workload
+from fractal_opt.tower.plan import Plan, SchedulingPlan
+from fractal_opt.workloads.workload import Workload
 
 
 def test_measure_under_conversations_reports_turns_per_round(tiny_dir):

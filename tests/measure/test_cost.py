@@ -8,15 +8,15 @@ import time
 
 import pytest
 
-from fractal_opt.errors import RecipeError
-from fractal_opt.machine import Machine, MachinePrice
+from fractal_opt.core.errors import RecipeError
+from fractal_opt.core.machine import Machine, MachinePrice
+from fractal_opt.language.policy import Policy
+from fractal_opt.language.recipe import parse_recipe
 from fractal_opt.measure import cost
 from fractal_opt.measure.runner import measure
-from fractal_opt.plan import Plan
-from fractal_opt.policy import Policy
-from fractal_opt.recipe import parse_recipe
 from fractal_opt.testing import FakeEngine
-from fractal_opt.workload import Workload
+from fractal_opt.tower.plan import Plan
+from fractal_opt.workloads.workload import Workload
 
 
 def test_cost_readings_price_the_wall_time_and_count_cpu_seconds():

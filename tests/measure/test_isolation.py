@@ -15,10 +15,10 @@ import pytest
 
 from fractal_opt.measure.isolation import CpuAccount, add_live_group, contended, discard_live_group, live_groups, others_quiet, tree_cpu_s
 from fractal_opt.measure.runner import MAX_RERUNS, Runner
-from fractal_opt.plan import Plan
 from fractal_opt.runtimes.child_process import ServerProcess
 from fractal_opt.testing import FakeEngine
-from fractal_opt.workload import Workload
+from fractal_opt.tower.plan import Plan
+from fractal_opt.workloads.workload import Workload
 
 SPIN = [sys.executable, "-c", "while True: pass"]
 WORKLOAD = Workload(suite="default", limit=1, max_new_tokens=2, repeats=1, warmup=0)
@@ -188,15 +188,15 @@ def test_a_second_resident_llama_cpp_engine_is_quiet_during_a_round() -> None:
     """Two llama.cpp engines resident, the second a native llama-server child kept busy by a
     client: during the first engine's round it uses < 5% of the measured engine's CPU time, and
     it computes again after the round."""
-    from fractal_opt.errors import ModelSourceError
-    from fractal_opt.plan import HardwarePlan
+    from fractal_opt.core.errors import ModelSourceError
     from fractal_opt.runtimes.llama_cpp import engine as llama_engine
     from fractal_opt.runtimes.llama_cpp.process import NATIVE, executable_problem
+    from fractal_opt.tower.plan import HardwarePlan
 
     if (problem := executable_problem(NATIVE)) is not None:
         pytest.skip(problem)
     try:
-        from fractal_opt.models import resolve
+        from fractal_opt.weights.models import resolve
 
         resolve("smollm2-135m-instruct")
     except ModelSourceError as e:

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from fractal_opt.errors import RecipeError
+from fractal_opt.core.errors import RecipeError
 from fractal_opt.measure.load import build_items, run_load
 from fractal_opt.measure.runner import measure
-from fractal_opt.plan import Plan, SchedulingPlan
 from fractal_opt.runtimes import Engine
-from fractal_opt.workload import LoadProfile, Workload
+from fractal_opt.tower.plan import Plan, SchedulingPlan
+from fractal_opt.workloads.workload import LoadProfile, Workload
 
 TERMINAL = {"done", "timeout", "cancelled", "rejected", "error"}
 
@@ -191,8 +191,8 @@ def test_goodput_counts_only_requests_that_meet_every_slo():
 
 def test_slo_must_be_positive():
     """A non-positive SLO is rejected with the field and the value."""
-    from fractal_opt.errors import RecipeError
-    from fractal_opt.workload import LoadProfile
+    from fractal_opt.core.errors import RecipeError
+    from fractal_opt.workloads.workload import LoadProfile
 
     with pytest.raises(RecipeError, match="'slo_ttft_ms': got 0"):
         LoadProfile(slo_ttft_ms=0)

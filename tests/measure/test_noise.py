@@ -174,7 +174,7 @@ def test_preflight_refuses_with_the_numbers():
     """A plan whose weights + KV exceed the device is refused with GB figures; the same plan fits a bigger device."""
     from fractal_opt.measure.budget import shape_from_config
     from fractal_opt.measure.preflight import preflight
-    from fractal_opt.plan import Plan, SchedulingPlan
+    from fractal_opt.tower.plan import Plan, SchedulingPlan
 
     shape = shape_from_config({"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "intermediate_size": 11008, "vocab_size": 32000})
     plan = Plan(source="x", scheduling=SchedulingPlan(batching="static", batch_size=8))
@@ -188,7 +188,7 @@ def test_pipeline_refuses_a_baseline_that_cannot_fit(tiny_dir, small_recipe, mac
     """The pre-flight runs before any model loads: a 1 MB device refuses the baseline with the numbers."""
     import dataclasses
 
-    from fractal_opt.errors import EngineError
+    from fractal_opt.core.errors import EngineError
     from fractal_opt.pipeline.runner import Pipeline
 
     tiny_machine = dataclasses.replace(machine, memory_bytes=10**6)
@@ -200,9 +200,9 @@ def test_measure_pair_extends_rounds_until_settled(tiny_dir, monkeypatch):
     """Rounds grow to max_repeats, two at a time, while the objective's interval is unsettled and stop at repeats once it is; orders alternate."""
     from fractal_opt.measure import noise
     from fractal_opt.measure.runner import measure_pair
-    from fractal_opt.plan import Plan
     from fractal_opt.runtimes import Engine
-    from fractal_opt.workload import Workload
+    from fractal_opt.tower.plan import Plan
+    from fractal_opt.workloads.workload import Workload
 
     engine = Engine.build(Plan(source=str(tiny_dir)), progress=lambda m: None)
     wl = Workload(suite="default", limit=2, max_new_tokens=4, repeats=1, max_repeats=3, warmup=0)
@@ -272,9 +272,9 @@ def test_a_plan_with_smaller_weights_shows_its_own_peak_memory(monkeypatch):
     so a plan whose weights are half the size shows a lower peak_memory_mb than the previous plan's own peak."""
     from fractal_opt.measure.busy import BusySnapshot
     from fractal_opt.pipeline.step_measurement import StepMeasurer
-    from fractal_opt.plan import Plan
     from fractal_opt.testing import FakeEngine, cpu_machine
-    from fractal_opt.workload import Workload
+    from fractal_opt.tower.plan import Plan
+    from fractal_opt.workloads.workload import Workload
 
     class ResidentEngine(FakeEngine):
         """A fake whose 'weights' are resident memory (weight_bytes of touched pages) until it is closed."""
@@ -316,9 +316,9 @@ def test_a_step_that_shares_the_weights_adds_no_solo_round():
     """Same weights (a scheduling or decoding pass): one model is resident either way, so no round is added."""
     from fractal_opt.measure.busy import BusySnapshot
     from fractal_opt.pipeline.step_measurement import StepMeasurer
-    from fractal_opt.plan import Plan
     from fractal_opt.testing import FakeEngine, cpu_machine
-    from fractal_opt.workload import Workload
+    from fractal_opt.tower.plan import Plan
+    from fractal_opt.workloads.workload import Workload
 
     build = FakeEngine.factory()
     wl = Workload(suite="default", limit=2, max_new_tokens=4, repeats=2, warmup=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fractal_opt.measure.preflight import kv_allocation, preflight
 from fractal_opt.measure.roofline import ModelShape
-from fractal_opt.plan import Plan
+from fractal_opt.tower.plan import Plan
 
 # Llama-2-7B: 32 layers x 32 KV heads x 128 x 2 (K, V) x 2 bytes = 524,288 bytes of fp16 KV per token.
 LLAMA2_7B = ModelShape(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000)

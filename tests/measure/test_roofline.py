@@ -79,9 +79,9 @@ def _roofline_fixture(monkeypatch, reprobed_flops: float):
     from fractal_opt.measure import busy
     from fractal_opt.measure.machine_limits import MachineLimits
     from fractal_opt.pipeline import step_measurement
-    from fractal_opt.plan import Plan
     from fractal_opt.testing import FakeEngine, cpu_machine
-    from fractal_opt.workload import Workload
+    from fractal_opt.tower.plan import Plan
+    from fractal_opt.workloads.workload import Workload
 
     shape = ModelShape(layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152, tied_embeddings=True)
     monkeypatch.setattr(step_measurement, "read_shape", lambda source: shape)

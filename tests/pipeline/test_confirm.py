@@ -9,17 +9,17 @@ import time
 import pytest
 from conftest import small_recipe_dict
 
+from fractal_opt.language.recipe import load_recipe
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.measure.rounds import LoadRounds
 from fractal_opt.measure.runner import measure_pair
 from fractal_opt.pipeline import confirm
 from fractal_opt.pipeline.runner import Pipeline
 from fractal_opt.pipeline.step_measurement import StepMeasurer
-from fractal_opt.plan import Plan
-from fractal_opt.recipe import load_recipe
 from fractal_opt.serving.server import Server
 from fractal_opt.testing import FakeEngine, cpu_machine
-from fractal_opt.workload import Workload
+from fractal_opt.tower.plan import Plan
+from fractal_opt.workloads.workload import Workload
 
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
 # bfloat16 decodes (and prefills) this much faster on the fake engine: the planted speed-up.

@@ -57,9 +57,9 @@ def test_a_step_whose_rounds_were_disturbed_says_so_in_its_reason(tmp_path) -> N
     every round re-run twice and still contended."""
     from conftest import small_recipe_dict
 
+    from fractal_opt.language.recipe import load_recipe
     from fractal_opt.measure.machine_limits import MachineLimits
     from fractal_opt.pipeline.runner import Pipeline
-    from fractal_opt.recipe import load_recipe
     from fractal_opt.testing import cpu_machine
 
     model = tmp_path / "model"

@@ -12,8 +12,8 @@ from conftest import small_recipe_dict
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.pipeline.runner import Pipeline
 from fractal_opt.pipeline.step_quality import eval_key
-from fractal_opt.plan import Plan
 from fractal_opt.testing import FakeEngine, cpu_machine
+from fractal_opt.tower.plan import Plan
 
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
 EVAL_IDS = ("q0", "q1", "q2")

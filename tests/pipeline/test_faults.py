@@ -18,19 +18,19 @@ from pathlib import Path
 import pytest
 from conftest import small_recipe_dict
 
-from fractal_opt.errors import RunFailed
+from fractal_opt.core.errors import RunFailed
+from fractal_opt.language.policy import Policy
+from fractal_opt.language.recipe import load_recipe
 from fractal_opt.layers.hardware import Dtype
 from fractal_opt.measure import busy
 from fractal_opt.measure.machine_limits import MachineLimits
-from fractal_opt.passes import Layer, Pass
 from fractal_opt.pipeline import deadline, step_measurement
 from fractal_opt.pipeline.deadline import StepTimeout, WorkerAbandoned, checkpoint, run_with_deadline
 from fractal_opt.pipeline.runner import Pipeline
-from fractal_opt.plan import Plan
-from fractal_opt.policy import Policy
-from fractal_opt.recipe import load_recipe
 from fractal_opt.testing import FakeEngine, cpu_machine
 from fractal_opt.testing import fake_model_folder as fake_model
+from fractal_opt.tower.passes import Layer, Pass
+from fractal_opt.tower.plan import Plan
 
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
 TIMEOUT_S = 6.0  # policy.timeout_s of the fault run: far above a healthy fake step, even on a busy machine

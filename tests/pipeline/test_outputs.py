@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from fractal_opt.errors import RecipeError
+from fractal_opt.core.errors import RecipeError
 from fractal_opt.pipeline import outputs
 from fractal_opt.pipeline.outputs import check_writable, write_outputs
 

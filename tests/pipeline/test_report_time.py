@@ -7,10 +7,10 @@ import json
 import pytest
 from conftest import small_recipe_dict
 
+from fractal_opt.language.recipe import load_recipe
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.pipeline.report_tables import time_line
 from fractal_opt.pipeline.runner import Pipeline
-from fractal_opt.recipe import load_recipe
 from fractal_opt.testing import FakeEngine, cpu_machine
 
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})

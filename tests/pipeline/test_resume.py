@@ -20,10 +20,10 @@ import yaml
 from conftest import small_recipe_dict
 
 from fractal_opt.cli import main
-from fractal_opt.machine import Machine
+from fractal_opt.core.machine import Machine
+from fractal_opt.language.recipe import load_recipe
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.pipeline.journal import JOURNAL, Journal, differences, fingerprint
-from fractal_opt.recipe import load_recipe
 from fractal_opt.testing import fake_model_folder as fake_model
 
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})

@@ -7,9 +7,9 @@ import json
 import pytest
 from conftest import small_recipe_dict
 
+from fractal_opt.language.recipe import load_recipe
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.pipeline.runner import Pipeline
-from fractal_opt.recipe import load_recipe
 from fractal_opt.testing import FakeEngine, cpu_machine
 
 # Ceilings handed to the runner, so no test waits for a machine probe (the fake's numbers are far below them).

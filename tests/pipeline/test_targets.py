@@ -7,10 +7,10 @@ import json
 import pytest
 from conftest import small_recipe_dict
 
+from fractal_opt.language.recipe import load_recipe
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.pipeline.runner import Pipeline
 from fractal_opt.pipeline.targets import binding_limit, gaps, parse_targets
-from fractal_opt.recipe import load_recipe
 from fractal_opt.testing import LLAMA_SHAPE, FakeEngine, cpu_machine, fake_model_folder
 
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=12e9, copy_bandwidth_bytes_per_s=12e9, peak_flops={"float32": 1e11})

@@ -140,7 +140,7 @@ def test_the_registered_runtime_is_exported_and_served(run_dir, capsys):
 
 def test_the_registry_refuses_a_duplicate_and_reads_the_runtime_s_table(third_party):
     """Registering the same name twice is refused naming it; the runtime's refusal rows are what the registry refuses."""
-    with pytest.raises(fractal_opt.errors.RecipeError, match=f"runtime '{NAME}' is registered already"):
+    with pytest.raises(fractal_opt.core.errors.RecipeError, match=f"runtime '{NAME}' is registered already"):
         register(CAPS)
     plan = fractal_opt.Plan(source="m").replace_section("hardware", runtime=NAME)
     assert RUNTIMES.refuse(plan) is None

@@ -9,13 +9,13 @@ import warnings
 
 import pytest
 
+from fractal_opt.core.quiet import quiet_third_party
 from fractal_opt.layers.scheduling import Batching
 from fractal_opt.pipeline.progress import Progress
 from fractal_opt.pipeline.run_info import model_fingerprint
 from fractal_opt.pipeline.runner import Result
 from fractal_opt.pipeline.trace import SCHEMA_VERSION, Step, Trace, TraceSchemaError
-from fractal_opt.plan import Plan
-from fractal_opt.quiet import quiet_third_party
+from fractal_opt.tower.plan import Plan
 
 LONG_REASON = ("decode_tokens_per_s paired estimate +4.0% [95%: -1.0%, +9.0%], medians 20.1 -> 20.9, noise band ±6.0%; "
                "guard ttft_ms max_regression 10% tripped: paired estimate +35.0% [95%: +30.0%, +41.0%], medians 300 -> 405; "

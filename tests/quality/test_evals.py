@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 import fractal_opt
-from fractal_opt.errors import RecipeError
+from fractal_opt.core.errors import RecipeError
 from fractal_opt.quality.evals import load_eval_set, matches
 
 
@@ -54,9 +54,9 @@ def test_eval_set_is_validated_before_any_model_loads(small_recipe, tmp_path):
 
 def _own_answers_eval_set(tiny_dir, path, *, tokens: int) -> None:
     """An eval set whose answers are the tiny model's own greedy outputs (so the baseline scores 1.0)."""
-    from fractal_opt.plan import Plan
     from fractal_opt.runtimes import Engine
-    from fractal_opt.workload import Workload
+    from fractal_opt.tower.plan import Plan
+    from fractal_opt.workloads.workload import Workload
 
     engine = Engine.build(Plan(source=str(tiny_dir)), progress=lambda _: None)
     requests = Workload(suite="default", limit=2).requests()
@@ -111,8 +111,8 @@ def test_bad_probe_spec_fails_early():
 
 def test_scheduling_pass_that_changes_tokens_trips_path_equivalence():
     """With determinism required the policy rolls back a scheduling pass whose greedy tokens differ from the previous path."""
-    from fractal_opt.passes import Layer
-    from fractal_opt.policy import Policy
+    from fractal_opt.language.policy import Policy
+    from fractal_opt.tower.passes import Layer
 
     before = {"throughput_tokens_per_s": 10.0}
     after = {"throughput_tokens_per_s": 30.0, "path_agreement": 0.5}
@@ -197,7 +197,7 @@ class _Answers:
 def test_score_pairs_each_answer_with_the_baseline():
     """score() against the baseline's items counts lost, gained and changed answers and the sign test's p."""
     from fractal_opt.quality.evals import EvalItem, score
-    from fractal_opt.workload import Request
+    from fractal_opt.workloads.workload import Request
 
     items = [EvalItem(request=Request.from_data({"id": f"q{i}", "prompt": "?"}, index=i, where="t"), answer="yes", match="contains") for i in range(6)]
     base = score(_Answers({f"q{i}": "yes" for i in range(6)}), items, max_new_tokens=4)
@@ -208,8 +208,8 @@ def test_score_pairs_each_answer_with_the_baseline():
 
 def test_accuracy_guard_trips_only_beyond_noise():
     """A drop of 5 lost / 0 gained of 40 trips the default accuracy guard with the counts and p; 2 lost / 0 gained does not."""
-    from fractal_opt.passes import Layer
-    from fractal_opt.policy import Policy
+    from fractal_opt.language.policy import Policy
+    from fractal_opt.tower.passes import Layer
 
     def judge(lost, p):
         after = {"decode_tokens_per_s": 200.0, "accuracy": (30 - lost) / 40, "eval_lost": lost, "eval_gained": 0, "eval_total": 40, "eval_worse_p": p, "agreement": 0.9}

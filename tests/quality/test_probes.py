@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 from conftest import quiet
 
-from fractal_opt.passes import Layer
-from fractal_opt.plan import Plan
-from fractal_opt.policy import DEFAULT_GUARDS, Policy
+from fractal_opt.language.policy import DEFAULT_GUARDS, Policy
 from fractal_opt.quality.probes import QualityConfig, agreement, build_reference, model_probes
 from fractal_opt.runtimes import Engine
+from fractal_opt.tower.passes import Layer
+from fractal_opt.tower.plan import Plan
 
 BROKEN_WEIGHT = "model.layers.0.mlp.down_proj.weight"
 

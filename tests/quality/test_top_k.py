@@ -6,14 +6,14 @@ import math
 
 import pytest
 
+from fractal_opt.core.errors import RecipeError
 from fractal_opt.engine.protocol import Engine
-from fractal_opt.errors import RecipeError
-from fractal_opt.passes import Layer
-from fractal_opt.plan import Plan
-from fractal_opt.policy import DEFAULT_GUARDS, Policy
+from fractal_opt.language.policy import DEFAULT_GUARDS, Policy
 from fractal_opt.quality.probes import QualityConfig, build_reference, model_probes
 from fractal_opt.quality.topk import flipped, kl_lower_bound
 from fractal_opt.testing import FakeEngine
+from fractal_opt.tower.passes import Layer
+from fractal_opt.tower.plan import Plan
 
 # 512 tokens: more than the baseline's top 256, so both sides know only part of the distribution.
 VOCAB = 512

@@ -119,7 +119,7 @@ def test_a_child_that_keeps_dying_is_given_up_after_bounded_tries() -> None:
     """Three restarts, waits doubling between them; then health() raises: the server will not serve again."""
     import pytest
 
-    from fractal_opt.errors import EngineError
+    from fractal_opt.core.errors import EngineError
     from fractal_opt.runtimes.child_process import Supervised
 
     starts: list[float] = []

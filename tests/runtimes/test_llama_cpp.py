@@ -7,18 +7,18 @@ from collections import Counter
 
 import pytest
 
-from fractal_opt.errors import ModelSourceError, RequestRejected
-from fractal_opt.plan import ApplicationPlan, HardwarePlan, ModelPlan, Plan, SchedulingPlan
+from fractal_opt.core.errors import ModelSourceError, RequestRejected
 from fractal_opt.runtimes.llama_cpp import LlamaCppEngine
 from fractal_opt.serving.server import Ticket
-from fractal_opt.workload import Request, Workload
+from fractal_opt.tower.plan import ApplicationPlan, HardwarePlan, ModelPlan, Plan, SchedulingPlan
+from fractal_opt.workloads.workload import Request, Workload
 
 MODEL = "smollm2-135m-instruct"
 
 
 def _model_or_skip() -> None:
     try:
-        from fractal_opt.models import resolve
+        from fractal_opt.weights.models import resolve
 
         resolve(MODEL)
     except ModelSourceError as e:
@@ -159,7 +159,7 @@ def test_quantized_kv_cache_maps_to_q8_0() -> None:
 @pytest.mark.integration  # serves the embedded SmolLM2 GGUF
 def test_census_counts_the_gguf_tensors(engine: LlamaCppEngine) -> None:
     """census() reports the GGUF's tensor bytes (most of the file) and its quantized layers."""
-    from fractal_opt.models import resolve
+    from fractal_opt.weights.models import resolve
 
     census = engine.census()
     size = resolve(MODEL).path.stat().st_size

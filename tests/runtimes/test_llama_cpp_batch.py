@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from fractal_opt.errors import ModelSourceError, RecipeError
+from fractal_opt.core.errors import ModelSourceError, RecipeError
 from fractal_opt.export import export
+from fractal_opt.language.recipe import load_recipe
 from fractal_opt.layers.hardware import LlamaBatch
-from fractal_opt.plan import HardwarePlan, ModelPlan, Plan
-from fractal_opt.recipe import load_recipe
 from fractal_opt.runtimes import refuse
 from fractal_opt.runtimes.llama_cpp.settings import N_BATCH_DEFAULT, N_UBATCH_DEFAULT, common_params, describe, refusals, server_settings
 from fractal_opt.runtimes.vllm import engine_args
+from fractal_opt.tower.plan import HardwarePlan, ModelPlan, Plan
 
 MODEL = "smollm2-135m-instruct"
 
@@ -100,8 +100,8 @@ def test_llama_server_export_passes_the_sizes():
 def test_a_load_with_small_batches_serves_a_prompt_longer_than_n_batch():
     """The embedded GGUF loads with n_batch=256 / n_ubatch=128 and answers a ~300-token prompt (several decode calls)."""
     pytest.importorskip("xllamacpp", reason="xllamacpp is not installed (pip install xllamacpp)")
-    from fractal_opt.models import resolve
     from fractal_opt.runtimes.llama_cpp import LlamaCppEngine
+    from fractal_opt.weights.models import resolve
 
     try:
         resolve(MODEL)

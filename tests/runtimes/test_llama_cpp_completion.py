@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fractal_opt.errors import EngineError, RequestRejected
+from fractal_opt.core.errors import EngineError, RequestRejected
 from fractal_opt.runtimes.llama_cpp.completion import complete_chat, stream_text
 
 EOS = 2

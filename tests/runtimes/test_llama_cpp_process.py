@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from fractal_opt.errors import ModelSourceError, RecipeError, RequestRejected
-from fractal_opt.plan import HardwarePlan, ModelPlan, Plan, SchedulingPlan
+from fractal_opt.core.errors import ModelSourceError, RecipeError, RequestRejected
 from fractal_opt.runtimes.llama_cpp import engine as llama_engine
 from fractal_opt.runtimes.llama_cpp.process import NATIVE, command, cpu_tag, executable_problem, native_executable
 from fractal_opt.runtimes.llama_cpp.settings import refusals, server_settings
-from fractal_opt.workload import Workload
+from fractal_opt.tower.plan import HardwarePlan, ModelPlan, Plan, SchedulingPlan
+from fractal_opt.workloads.workload import Workload
 
 MODEL = "smollm2-135m-instruct"
 FAKE = Path(__file__).with_name("fake_llama_server.py")
@@ -29,7 +29,7 @@ FAKE = Path(__file__).with_name("fake_llama_server.py")
 
 def _model_path() -> str:
     try:
-        from fractal_opt.models import resolve
+        from fractal_opt.weights.models import resolve
 
         return str(resolve(MODEL).path)
     except ModelSourceError as e:
@@ -140,7 +140,7 @@ def test_the_engine_serves_through_a_child_process(fake_exe: Path, tmp_path: Pat
     assert gen.text == " w0 w1 w2 w3 w4" and gen.token_ids == [100, 101, 102, 103, 104] and gen.prompt_tokens == 7
     assert gen.token_times == sorted(gen.token_times) and gen.hit_cap
     assert engine.top_logprobs([1, 2], k=3) == [{100: -0.5, 101: -1.0, 102: -1.5}] * 2
-    from fractal_opt.workload import Request
+    from fractal_opt.workloads.workload import Request
 
     with pytest.raises(RequestRejected, match="context"):
         engine.serve([Request(id="long", messages=(("user", "TOO LONG"),))], max_new_tokens=5)
@@ -153,7 +153,7 @@ def test_the_engine_serves_through_a_child_process(fake_exe: Path, tmp_path: Pat
 
 def test_a_child_that_exits_at_start_raises_with_its_log(tmp_path: Path) -> None:
     """An executable that dies while loading gives an EngineError quoting its last output."""
-    from fractal_opt.errors import EngineError
+    from fractal_opt.core.errors import EngineError
 
     _model_path()
     exe = tmp_path / "llama-server"
@@ -169,8 +169,8 @@ def test_a_child_that_dies_mid_stream_raises_with_its_log(fake_exe: Path, marker
     """A llama-server that crashes while streaming (the connection closed early, or cut inside a
     chunk) gives an EngineError with its exit status and last log lines, not a socket error or a
     silently short answer."""
-    from fractal_opt.errors import EngineError
-    from fractal_opt.workload import Request
+    from fractal_opt.core.errors import EngineError
+    from fractal_opt.workloads.workload import Request
 
     _model_path()
     plan = Plan(source=MODEL, hardware=HardwarePlan(runtime="llama_cpp", threads=1, runtime_path=str(fake_exe)))

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from fractal_opt.layers.model import Quantize
-from fractal_opt.plan import HardwarePlan, Plan
 from fractal_opt.runtimes import refuse
 from fractal_opt.runtimes.llama_cpp.settings import refusals
 from fractal_opt.testing import cpu_machine
+from fractal_opt.tower.plan import HardwarePlan, Plan
 
 MODEL = "smollm2-135m-instruct"
 LLAMA = Plan(source=MODEL, hardware=HardwarePlan(runtime="llama_cpp", threads=1))
@@ -26,7 +26,7 @@ def _machine():
 @pytest.fixture(scope="module")
 def embedded():
     """The embedded GGUF (Q4_1 blocks, a Q8_0 tied embedding / head, F32 norms)."""
-    from fractal_opt.models import resolve
+    from fractal_opt.weights.models import resolve
 
     try:
         return resolve(MODEL).path

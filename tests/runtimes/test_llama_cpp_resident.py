@@ -9,13 +9,13 @@ import weakref
 
 import pytest
 
-from fractal_opt.errors import ModelSourceError
+from fractal_opt.core.errors import ModelSourceError
 from fractal_opt.measure.runner import measure_pair
-from fractal_opt.plan import HardwarePlan, Plan
 from fractal_opt.runtimes.llama_cpp import engine as llama_engine
 from fractal_opt.runtimes.llama_cpp.settings import server_settings
 from fractal_opt.testing import FakeEngine
-from fractal_opt.workload import Workload
+from fractal_opt.tower.plan import HardwarePlan, Plan
+from fractal_opt.workloads.workload import Workload
 
 
 class _FakeServer:
@@ -89,7 +89,7 @@ def test_a_real_engine_serves_again_after_another_plans_server_was_resident() ->
     """Two llama.cpp plans used in turn: each reloads its server and answers the same greedy text."""
     pytest.importorskip("xllamacpp", reason="xllamacpp is not installed (pip install xllamacpp)")
     try:
-        from fractal_opt.models import resolve
+        from fractal_opt.weights.models import resolve
 
         resolve("smollm2-135m-instruct")
     except ModelSourceError as e:

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from fractal_opt.errors import EngineError
-from fractal_opt.plan import Plan
+from fractal_opt.core.errors import EngineError
 from fractal_opt.runtimes.vllm import VllmEngine, clear_cache, evict_except
 from fractal_opt.runtimes.vllm.logprobs import coarse_kl_lower_bound, top_flip
 from fractal_opt.runtimes.vllm.process import ENV_PATH, ENV_URL, default_executable
-from fractal_opt.workload import Request, Workload
+from fractal_opt.tower.plan import Plan
+from fractal_opt.workloads.workload import Request, Workload
 
 _spec = importlib.util.spec_from_file_location("fake_openai_server", Path(__file__).with_name("fake_openai_server.py"))
 fake_openai_server = importlib.util.module_from_spec(_spec)
@@ -356,7 +356,7 @@ def test_exit_stops_a_forgotten_server(model_folder, fake_vllm, monkeypatch) -> 
     """A server whose engine was never closed, evicted and garbage-collected, still stops when Python exits."""
     import subprocess
 
-    script = (f"import gc; from fractal_opt.plan import Plan; from fractal_opt.runtimes.vllm import VllmEngine, clear_cache\n"
+    script = (f"import gc; from fractal_opt.tower.plan import Plan; from fractal_opt.runtimes.vllm import VllmEngine, clear_cache\n"
               f"e = VllmEngine.build(Plan(source={str(model_folder)!r}).replace_section('hardware', runtime='vllm'), progress=lambda m: None)\n"
               f"print(e.process.pid, flush=True); del e; clear_cache(); gc.collect()\n")
     env = {**os.environ, ENV_PATH: str(fake_vllm)}

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from fractal_opt.plan import SECTIONS, Plan
 from fractal_opt.runtimes.vllm.engine_args import FIELDS, engine_args, refusals, sampling, server_env
+from fractal_opt.tower.plan import SECTIONS, Plan
 
 
 def vllm_plan(**sections: dict[str, Any]) -> Plan:

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from fractal_opt.cli import main
-from fractal_opt.errors import RecipeError
+from fractal_opt.core.errors import RecipeError
 from fractal_opt.export import KINDS, TARGETS, export, plan_fields, table
-from fractal_opt.plan import Plan
+from fractal_opt.tower.plan import Plan
 
 # A non-default value per field, and the fields it needs set to matter: {field: (value, context)}.
 CONTINUOUS = {"scheduling.batching": "continuous"}
@@ -192,7 +192,7 @@ def test_a_run_folder_stands_for_its_tuned_recipe(tmp_path):
 
 def test_servers_that_cannot_read_a_gguf_get_the_converted_folder_and_its_tokenizer(monkeypatch, tmp_path):
     """A GGUF source exports as the safetensors folder the transformers / vLLM runtimes measured (vLLM also gets --tokenizer); llama-server keeps the GGUF."""
-    import fractal_opt.models as models
+    import fractal_opt.weights.models as models
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from fractal_opt.export import export
-from fractal_opt.models import resolve
-from fractal_opt.plan import Plan
 from fractal_opt.runtimes.child_process import free_port
+from fractal_opt.tower.plan import Plan
+from fractal_opt.weights.models import resolve
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,7 @@ import pytest
 import yaml
 from conftest import small_recipe_dict
 
-from fractal_opt.plan import Plan
+from fractal_opt.tower.plan import Plan
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from fractal_opt.errors import EngineError
-from fractal_opt.plan import Plan
+from fractal_opt.core.errors import EngineError
 from fractal_opt.serving.server import Server
 from fractal_opt.testing import FakeEngine
+from fractal_opt.tower.plan import Plan
 
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")

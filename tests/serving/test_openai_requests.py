@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fractal_opt.errors import BadRequest
+from fractal_opt.core.errors import BadRequest
 from fractal_opt.serving.openai_requests import parse_chat, parse_completion
 
 MSGS = [{"role": "user", "content": "hi"}]

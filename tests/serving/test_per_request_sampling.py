@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from fractal_opt.plan import Plan, SchedulingPlan
+from fractal_opt.core.errors import BadRequest
 from fractal_opt.runtimes import Engine
-from fractal_opt.errors import BadRequest
+from fractal_opt.tower.plan import Plan, SchedulingPlan
 
 PROMPT = "Tell me a story about a small boat."
 BUDGET = 12
@@ -113,9 +113,9 @@ class _LlamaHandle:
 
 
 def test_llama_cpp_receives_each_requests_own_sampling(monkeypatch):
-    from fractal_opt.plan import HardwarePlan
     from fractal_opt.runtimes.llama_cpp import engine as llama_engine
     from fractal_opt.runtimes.llama_cpp.settings import ServerSettings
+    from fractal_opt.tower.plan import HardwarePlan
 
     monkeypatch.setattr(llama_engine, "eos_token_id", lambda path: None)
     handle = _LlamaHandle()

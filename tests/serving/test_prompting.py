@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fractal_opt.errors import RecipeError
+from fractal_opt.core.errors import RecipeError
 from fractal_opt.serving.prompting import HFTokens, WordTokens, fit_prompt, split_chunks
-from fractal_opt.workload import Request, Workload
+from fractal_opt.workloads.workload import Request, Workload
 
 
 def chat(turns: int) -> list[dict[str, str]]:

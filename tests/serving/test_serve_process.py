@@ -32,8 +32,8 @@ KEY = "k-serve-test"
 
 
 def _embedded_model() -> None:
-    from fractal_opt.errors import ModelSourceError
-    from fractal_opt.models import resolve
+    from fractal_opt.core.errors import ModelSourceError
+    from fractal_opt.weights.models import resolve
 
     try:
         resolve(MODEL)

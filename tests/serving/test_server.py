@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from fractal_opt.errors import RecipeError, RequestRejected
-from fractal_opt.plan import Plan, SchedulingPlan
+from fractal_opt.core.errors import RecipeError, RequestRejected
 from fractal_opt.runtimes import Engine
 from fractal_opt.serving.server import TERMINAL, Ticket
-from fractal_opt.workload import Request, Workload
+from fractal_opt.tower.plan import Plan, SchedulingPlan
+from fractal_opt.workloads.workload import Request, Workload
 
 MODES = [("sequential", 1), ("static", 4), ("continuous", 1)]
 
@@ -269,10 +269,10 @@ def test_cancelled_requests_give_their_queue_places_back():
     """A queue of 2 whose tickets were cancelled while waiting admits new requests; it refuses only when 2 really wait."""
     import threading
 
-    from fractal_opt.errors import RequestRejected
-    from fractal_opt.plan import Plan
+    from fractal_opt.core.errors import RequestRejected
     from fractal_opt.serving.server import Server
     from fractal_opt.testing import FakeEngine
+    from fractal_opt.tower.plan import Plan
 
     release = threading.Event()
 

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from fractal_opt.errors import RequestRejected
-from fractal_opt.plan import Plan
+from fractal_opt.core.errors import RequestRejected
 from fractal_opt.serving.server import TERMINAL, Server
 from fractal_opt.testing import FakeEngine
+from fractal_opt.tower.plan import Plan
 
 TRIALS = 300
 

@@ -28,10 +28,10 @@ def _post(base: str, path: str, body: dict) -> bytes:
 def test_prompt_tokens_match_the_tokenizer_when_a_stop_ends_the_answer():
     """usage.prompt_tokens equals the chat template's token count under the GGUF's tokenizer, with and
     without a stop that cuts the answer, for chat, streamed chat (include_usage) and completions."""
-    from fractal_opt.errors import ModelSourceError
-    from fractal_opt.plan import HardwarePlan, Plan
+    from fractal_opt.core.errors import ModelSourceError
     from fractal_opt.runtimes.llama_cpp.engine import LlamaCppEngine
     from fractal_opt.serving.http import create_app
+    from fractal_opt.tower.plan import HardwarePlan, Plan
 
     try:
         engine = LlamaCppEngine.build(Plan(source="smollm2-135m-instruct", hardware=HardwarePlan(runtime="llama_cpp", threads=1)),

@@ -1,4 +1,4 @@
-"""What a GGUF file holds, read from its header (fractal_opt.model_headers: no model load).
+"""What a GGUF file holds, read from its header (fractal_opt.weights.model_headers: no model load).
 
 The pipeline reads ``weight_bytes`` (memory guard, roofline) and ``quantized_linear_layers`` (did
 quantization apply); the KV keys mirror the transformers runtime's ``kv_census`` so reports compare
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...model_headers import gguf_header
+from ...weights.model_headers import gguf_header
 from .settings import KV_BYTES_PER_VALUE, ServerSettings, describe
 
 __all__ = ["eos_token_id", "gguf_census"]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import EngineError, RequestRejected
+from ...core.errors import EngineError, RequestRejected
 from ...serving.sampling import Decoding
 
 __all__ = ["Answer", "OnTokens", "complete_chat", "sampling_fields", "stream_text"]

@@ -21,7 +21,7 @@ loads its server on demand and drops the other one: :meth:`LlamaCppEngine.activa
 measurement calls before every round (a reload from the page cache takes ~0.5 s for this model).
 
 Example:
-    >>> from fractal_opt.plan import Plan, HardwarePlan                                # doctest: +SKIP
+    >>> from fractal_opt.tower.plan import Plan, HardwarePlan                                # doctest: +SKIP
     >>> engine = LlamaCppEngine.build(Plan(source="smollm2-135m-instruct",
     ...                                    hardware=HardwarePlan(runtime="llama_cpp")))  # doctest: +SKIP
     >>> engine.generate("What is the capital of France?")                              # doctest: +SKIP
@@ -37,13 +37,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from ...core.errors import EngineError, RequestRejected
+from ...core.machine import Machine
 from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
-from ...errors import EngineError, RequestRejected
-from ...machine import Machine
-from ...models import resolve
-from ...plan import Plan
 from ...serving.sampling import Decoding
-from ...workload import Request
+from ...tower.plan import Plan
+from ...weights.models import resolve
+from ...workloads.workload import Request
 from . import logprobs
 from .census import eos_token_id, gguf_census
 from .completion import Answer, OnTokens, complete_chat, sampling_fields, stream_text

@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import EngineError
+from ...core.errors import EngineError
 
 __all__ = ["token_logprobs", "top_logprobs"]
 

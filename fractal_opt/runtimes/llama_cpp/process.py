@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ...errors import EngineError
+from ...core.errors import EngineError
 from ..child_process import ServerProcess, Supervised, free_port
 
 __all__ = ["NATIVE", "LlamaServerProcess", "command", "cpu_tag", "executable_problem", "native_executable", "resolve_executable"]
@@ -61,7 +61,7 @@ def native_executable() -> Path:
     rather than one that dies of an illegal instruction when a cache directory is shared)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from ...models import cache_dir
+    from ...weights.models import cache_dir
 
     try:
         tag = version("xllamacpp")
@@ -78,9 +78,9 @@ _ISA_FLAG = re.compile(r"^(sse\w*|ssse3|pni|avx\w*|fma\w*|f16c|bmi\d|amx\w*|\w*v
 
 def cpu_tag(flags: Iterable[str] | None = None) -> str:
     """A short name for this CPU's instruction set: the machine type and a hash of its ISA flags
-    (e.g. ``x86_64-3f9c1a2b``). ``flags``: the CPU's feature flags (:func:`fractal_opt.machine.cpu_flags`
+    (e.g. ``x86_64-3f9c1a2b``). ``flags``: the CPU's feature flags (:func:`fractal_opt.core.machine.cpu_flags`
     when None); without any (not Linux) the hash is of the processor's name."""
-    from ...machine import cpu_flags
+    from ...core.machine import cpu_flags
 
     isa = sorted(f for f in (cpu_flags() if flags is None else flags) if _ISA_FLAG.match(f))
     basis = " ".join(isa) if isa else platform.processor()

@@ -14,7 +14,7 @@ as in SmolLM2, whose head is Q8_0) unless ``keep_head`` is False. Re-quantizing 
 target type's rounding on top of the source's: Q8_0 from Q4_1 is close to exact, Q4_0 from Q4_1
 is a second 4-bit rounding, so the pipeline's quality guards judge it like any quantization.
 
-The result is cached next to the safetensors conversions (``fractal_opt.models.cache_dir()``),
+The result is cached next to the safetensors conversions (``fractal_opt.weights.models.cache_dir()``),
 keyed by the source file (path, size, mtime) and the options, and written to a temporary file
 that is renamed into place, so an interrupted conversion never leaves a broken cache entry.
 
@@ -48,7 +48,7 @@ _FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "BF16": "MOSTLY_BF1
 
 def requantized_path(source: Path, method: str, *, keep_head: bool = True) -> Path:
     """Where the re-quantized copy of ``source`` is cached (it may not exist yet)."""
-    from ...models import cache_dir
+    from ...weights.models import cache_dir
 
     stat = source.stat()
     key = f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{method}:{keep_head}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import RequestRejected
+from ...core.errors import RequestRejected
 from ...serving.slot_server import SlotServer
 from ...serving.ticket import Ticket
 

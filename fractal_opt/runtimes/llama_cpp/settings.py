@@ -21,10 +21,10 @@ import tempfile
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ...batch_sizes import N_BATCH_DEFAULT, N_UBATCH_DEFAULT, batch_problems
 from ...engine.capabilities import Refusal
 from ...engine.capabilities import refusals as table_refusals
-from ...plan import Plan
+from ...tower.batch_sizes import N_BATCH_DEFAULT, N_UBATCH_DEFAULT, batch_problems
+from ...tower.plan import Plan
 from .process import executable_problem, resolve_executable
 from .requantize import DTYPE_TARGETS, GGUF_BITS
 

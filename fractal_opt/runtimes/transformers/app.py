@@ -18,11 +18,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import EngineError
-from ...plan import Plan
+from ...core.errors import EngineError
 from ...serving.prompting import HFTokens, fit_prompt
 from ...serving.response_cache import CacheHit, ResponseCache
-from ...workload import Request
+from ...tower.plan import Plan
+from ...workloads.workload import Request
 
 __all__ = ["AppRuntime", "trim_stop"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ...measure.budget import shape_from_config
 from ...measure.roofline import dtype_bits, kv_bytes_per_token, quantized_kv_bytes_per_token
-from ...plan import Plan
+from ...tower.plan import Plan
 
 __all__ = ["census", "kv_census"]
 

@@ -15,7 +15,7 @@ import math
 import queue
 from typing import Any
 
-from ...errors import EngineError, RequestRejected
+from ...core.errors import EngineError, RequestRejected
 from ...serving.sampling import Sampling, differs
 from ...serving.server import _POLL_S, Server, Ticket
 

@@ -26,16 +26,16 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ...core.errors import EngineError, RecipeError, RequestRejected, closest
+from ...core.machine import Machine
 from ...engine.capabilities import refusals
 from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
-from ...errors import EngineError, RecipeError, RequestRejected, closest
-from ...machine import Machine
-from ...plan import Plan
 from ...serving.server import Server, serve_all
-from ...workload import Request
+from ...tower.plan import Plan
+from ...workloads.workload import Request
 from .app import AppRuntime, trim_stop
-from .census import census
 from .capabilities import REFUSALS
+from .census import census
 from .generate_kwargs import generate_kwargs
 from .loading import load
 from .torch_knobs import no_grad, runtime
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
     from ...serving.response_cache import CacheHit
     from ...serving.sampling import Decoding
-    from ...workload import Workload
+    from ...workloads.workload import Workload
 
 __all__ = ["Encoded", "TransformersEngine", "clear_cache", "evict_except"]
 

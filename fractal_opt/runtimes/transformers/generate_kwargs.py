@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...plan import Plan
 from ...serving.sampling import Decoding
+from ...tower.plan import Plan
 
 __all__ = ["cache_kwargs", "generate_kwargs", "uses_streamer"]
 

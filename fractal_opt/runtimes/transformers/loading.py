@@ -1,7 +1,7 @@
 """Loading a plan's model: source, placement, dtype, attention kernel, quantization.
 
 Called only by ``Engine.build`` (which caches the result by ``Plan.weights_key()``). Every
-quantization backend goes through the same skip rules (fractal_opt.quant_select), and what was
+quantization backend goes through the same skip rules (fractal_opt.tower.quant_select), and what was
 done is recorded on the model (``_fractal_quant``) so that :func:`.census.census` can report it:
 the backend and method, the modules kept in full precision and, with sensitivity, each block's KL.
 """
@@ -12,11 +12,11 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from ... import models
-from ...errors import EngineError
-from ...machine import resolve_device
-from ...plan import Plan
-from ...quant_select import block_index, expand, skipped
+from ...core.errors import EngineError
+from ...core.machine import resolve_device
+from ...tower.plan import Plan
+from ...tower.quant_select import block_index, expand, skipped
+from ...weights import models
 
 __all__ = ["load"]
 
@@ -97,7 +97,7 @@ def _prepack(model: Any, names: tuple[str, ...]) -> None:
     import torch
     from torch.utils import mkldnn
 
-    from ...errors import closest
+    from ...core.errors import closest
 
     for name in names:
         try:

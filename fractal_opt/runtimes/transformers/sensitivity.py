@@ -22,9 +22,9 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import EngineError
+from ...core.errors import EngineError
 from ...quality.calibration import calibration_ids
-from ...quant_select import skipped
+from ...tower.quant_select import skipped
 
 __all__ = ["choose_skips"]
 

@@ -22,14 +22,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ...errors import RequestRejected
+from ...core.errors import RequestRejected
 from ...measure.clock import TokenClock
 from ...serving.server import Server, Ticket
 from .generate_kwargs import uses_streamer
 
 if TYPE_CHECKING:
     from ...engine.protocol import Generation
-    from ...workload import Request
+    from ...workloads.workload import Request
 
 __all__ = ["BatchServer"]
 

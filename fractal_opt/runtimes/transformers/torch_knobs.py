@@ -8,8 +8,8 @@ import os
 import threading
 from collections.abc import Iterator
 
-from ...machine import Machine, resolve_device
-from ...plan import Plan
+from ...core.machine import Machine, resolve_device
+from ...tower.plan import Plan
 
 __all__ = ["native_gqa_applies", "no_grad", "runtime"]
 

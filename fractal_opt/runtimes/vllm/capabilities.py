@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...core.errors import FractalOptError
 from ...engine.capabilities import Capabilities, Idle
-from ...errors import FractalOptError
 
 __all__ = ["CAPABILITIES", "available"]
 

@@ -23,13 +23,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ...core.errors import EngineError
+from ...core.machine import Machine
 from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
-from ...errors import EngineError
-from ...machine import Machine
-from ...model_headers import safetensors_header
-from ...models import materialize, resolve
-from ...plan import Plan
-from ...workload import Request
+from ...tower.plan import Plan
+from ...weights.model_headers import safetensors_header
+from ...weights.models import materialize, resolve
+from ...workloads.workload import Request
 from . import cache
 from .engine_args import _CONTINUOUS_DEFAULT_IN_FLIGHT, engine_args, refusals, sampling, server_env
 from .openai_client import OpenAIClient

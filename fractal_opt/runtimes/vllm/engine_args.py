@@ -12,7 +12,7 @@ Three pure functions, so the mapping is testable without vLLM:
 when a plan field is missing from it, so a new field cannot be silently ignored by this runtime.
 
 Example:
-    >>> from fractal_opt.plan import Plan
+    >>> from fractal_opt.tower.plan import Plan
     >>> plan = Plan(source="smollm2-135m-instruct").replace_section("model", context_cap=2048)
     >>> engine_args(plan)[:4]
     ['--dtype', 'float32', '--max-model-len', '2048']

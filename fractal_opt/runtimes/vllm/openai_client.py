@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import EngineError
+from ...core.errors import EngineError
 
 __all__ = ["Chunk", "OpenAIClient", "Stream"]
 

@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from ...errors import EngineError
+from ...core.errors import EngineError
 from ..child_process import ServerProcess, free_port
 
 __all__ = ["ENV_PATH", "ENV_URL", "VllmProcess", "default_executable", "find_executable", "find_url", "free_port", "unavailable", "wait_started"]

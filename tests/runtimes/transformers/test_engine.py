@@ -6,10 +6,10 @@ import pytest
 from conftest import quiet
 
 from fractal_opt.layers.model import Quantize
-from fractal_opt.plan import Plan
 from fractal_opt.runtimes import Engine
 from fractal_opt.runtimes.transformers.torch_knobs import runtime
-from fractal_opt.workload import Workload
+from fractal_opt.tower.plan import Plan
+from fractal_opt.workloads.workload import Workload
 
 NEW = 10  # new tokens per request: enough for paths to diverge if they are not equivalent
 

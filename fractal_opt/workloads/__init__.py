@@ -1,0 +1,1 @@
+"""What a run serves: the workload, its requests, and conversation suites."""
