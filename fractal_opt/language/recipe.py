@@ -184,22 +184,7 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
     with found.collect(f"{where}: "):
         _check_version(data.get("version"), where=where)
     model = data.get("model")
-    source = None
-    if "model" not in data:
-        found.add(f"{where}: missing key 'model' (an embedded name such as {min(models.EMBEDDED)!r}, a local directory, a .gguf file or a hub id).")
-    elif not isinstance(model, str):
-        found.add(f"{where}, key 'model': got {model!r}, expected a string.")
-    elif check_model:
-        try:
-            source = models.resolve(model)
-            models.check_files(source, complete=complete_model)
-        except ModelSourceError as e:
-            found.add(f"{where}: {e}")
-            source = None
-        except OSError as e:  # a name the OS refuses as a path (too long, a loop of links)
-            found.add(f"{where}, key 'model': {model[:60]!r}{'...' if len(model) > 60 else ''} ({len(model)} characters) cannot be used as a path: "
-                      f"{e.strerror or e}. Give an embedded name, a local folder, a .gguf file or a hub id.")
-            source = None
+    source = _model_source(data, found, where=where, check_model=check_model, complete_model=complete_model)
     name = data.get("name")
     if name is not None and not isinstance(name, str):
         found.add(f"{where}, key 'name': got {name!r}, expected a string.")
@@ -237,6 +222,26 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
     assert isinstance(model, str) and workload and policy and quality and targets is not None
     return Recipe(model=model, workload=workload, policy=policy, quality=quality, passes=passes, name=name, targets=targets, machine=price)
 
+
+
+def _model_source(data: Mapping[str, Any], found: Problems, *, where: str, check_model: bool, complete_model: bool) -> models.ModelSource | None:
+    """The recipe's model, resolved and its files checked (None when it cannot be, with the problem added to ``found``)."""
+    model = data.get("model")
+    if "model" not in data:
+        found.add(f"{where}: missing key 'model' (an embedded name such as {min(models.EMBEDDED)!r}, a local directory, a .gguf file or a hub id).")
+    elif not isinstance(model, str):
+        found.add(f"{where}, key 'model': got {model!r}, expected a string.")
+    elif check_model:
+        try:
+            source = models.resolve(model)
+            models.check_files(source, complete=complete_model)
+            return source
+        except ModelSourceError as e:
+            found.add(f"{where}: {e}")
+        except OSError as e:  # a name the OS refuses as a path (too long, a loop of links)
+            found.add(f"{where}, key 'model': {model[:60]!r}{'...' if len(model) > 60 else ''} ({len(model)} characters) cannot be used as a path: "
+                      f"{e.strerror or e}. Give an embedded name, a local folder, a .gguf file or a hub id.")
+    return None
 
 def _eval_requests(quality: QualityConfig | None, model: Any, found: Problems, *, where: str) -> list[Request]:
     """The eval set's requests, loaded (and so validated) before any model loads; ``auto`` is
