@@ -84,6 +84,15 @@ def _short_load_reading():
         yield
 
 
+@pytest.fixture(scope="module")
+def fake_model(tmp_path_factory) -> Path:
+    """A model folder a recipe accepts, holding a config only: the fake engines never read it."""
+    path = tmp_path_factory.mktemp("fake") / "model"
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "fake"}', encoding="utf-8")
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """A random-weight Llama folder (4 layers, hidden 256) with a chat-template tokenizer."""

@@ -48,14 +48,6 @@ class JitteryEngine(FakeEngine):
         return out
 
 
-@pytest.fixture(scope="module")
-def fake_model(tmp_path_factory):
-    """A model folder with a config only; the fake engine never reads it (the recipe skips the file check)."""
-    path = tmp_path_factory.mktemp("fake-confirm") / "model"
-    path.mkdir()
-    (path / "config.json").write_text('{"model_type": "fake"}', encoding="utf-8")
-    return path
-
 
 def _run(recipe_dict, out=None, *, builds=None, **fake):
     """One run on jittery fake engines; ``builds`` (a list) collects every plan built."""

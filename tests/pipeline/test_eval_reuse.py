@@ -21,14 +21,6 @@ QUANTIZE = "[1/2] model/quantize(bits=4)"
 REUSED = f"[2/2] application/max_new_tokens(limit=8): eval set: reused from {QUANTIZE} (this pass changes nothing the eval depends on)"
 
 
-@pytest.fixture(scope="module")
-def fake_model(tmp_path_factory):
-    """A model folder the recipe accepts; the fake engine never reads it."""
-    path = tmp_path_factory.mktemp("fake") / "model"
-    path.mkdir()
-    (path / "config.json").write_text('{"model_type": "fake"}', encoding="utf-8")
-    return path
-
 
 @pytest.fixture(scope="module")
 def eval_set(tmp_path_factory):

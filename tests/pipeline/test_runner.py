@@ -18,14 +18,6 @@ METRIC_KEYS = ("prefill_ms", "ttft_ms", "decode_tokens_per_s", "peak_memory_mb",
 STEP_KEYS = ("pass", "layer", "params", "status", "reason", "metrics")
 
 
-@pytest.fixture(scope="module")
-def fake_model(tmp_path_factory):
-    """A model folder the recipe accepts; the fake engine never reads it (no weights, no config fields)."""
-    path = tmp_path_factory.mktemp("fake") / "model"
-    path.mkdir()
-    (path / "config.json").write_text('{"model_type": "fake"}', encoding="utf-8")
-    return path
-
 
 def _run(recipe, out=None, **fake):
     """One run of ``recipe`` on fake engines built with ``FakeEngine.factory(**fake)``."""

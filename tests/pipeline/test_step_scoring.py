@@ -16,14 +16,6 @@ UNSCORED = "the objective did not improve beyond its threshold: no quality numbe
 SUFFIX = "; quality not scored (it cannot keep a step whose objective did not improve)"
 
 
-@pytest.fixture(scope="module")
-def fake_model(tmp_path_factory):
-    """A model folder the recipe accepts; the fake engine never reads it."""
-    path = tmp_path_factory.mktemp("fake") / "model"
-    path.mkdir()
-    (path / "config.json").write_text('{"model_type": "fake"}', encoding="utf-8")
-    return path
-
 
 @pytest.fixture
 def scored(monkeypatch):
@@ -98,10 +90,10 @@ def test_a_faster_step_is_scored(fake_model, scored):
 def test_a_search_level_that_may_hold_is_scored(fake_model, scored):
     """Concurrency levels the fake serves at the same throughput are "no change", which the search
     holds: each is scored (its quality guards could still refuse it) and kept as holding."""
-    recipe = small_recipe_dict(fake_model, max_new_tokens=8, policy={"min_effect": 0.4},
+    recipe = small_recipe_dict(fake_model, max_new_tokens=8, repeats=3, max_repeats=6, policy={"min_effect": 0.4},
                                passes={"scheduling": [{"batching": {"mode": "static", "batch_size": 2}},
                                                       {"concurrency": {"mode": "ramp", "start": 1, "max_limit": 2}}]})
-    result = _run(recipe, speed={"scheduling.batching": {"static": 2.0}})
+    result = _run(recipe, speed={"scheduling.batching": {"static": 5.0}})
     batching, *levels = result.trace.steps
     assert batching.status == "kept", batching.reason
     assert [s.pass_name for s in levels] == ["concurrency", "concurrency"]
