@@ -114,13 +114,20 @@ def _quality(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, k
              cmp: Comparison) -> tuple[dict[str, Any], tuple[str, Verdict] | None]:
     """The step's quality numbers, scored only when they can decide its verdict. First the free
     ones (agreement and path agreement from the measured outputs) and the verdict they give with
-    the speed numbers; when quality cannot change it (:func:`_quality_cannot_decide`), that verdict
-    stands and the probes and the eval are not run (returned with why)."""
+    the speed numbers; when quality cannot change it (the objective did not beat its threshold
+    (:meth:`.Policy.objective_improved`) and no search may hold the level: ``ramp.holds``), that
+    verdict stands and the probes and the eval are not run (returned with why)."""
     quality = {**env.measured_quality(engine, cmp.after), **_path_agreement(env, p, candidate, cmp)}
-    early = _verdict(env, p, step, kept, cmp, quality)
-    if (why := _quality_cannot_decide(env, p, ramp, cmp, early)) is not None:
-        env.progress(f"{label}: quality not scored ({why})")
-        return quality, (why, early)
+    unscored = None
+    if not env.recipe.policy.objective_improved(p.layer, changes=cmp.changes, after=env.metrics(cmp.after, {}), bands=cmp.bands):
+        env.enter("judge")  # the verdict without quality numbers: a judge that fails here fails as the judge
+        early = _verdict(env, p, step, kept, cmp, quality)
+        env.enter("quality")
+        if ramp is None or ramp.holds(early.outcome) is None:  # a search level that may hold is kept only when no quality guard trips
+            unscored = ("the objective did not improve beyond its threshold: no quality number can keep the step", early)
+    if unscored is not None:
+        env.progress(f"{label}: quality not scored ({unscored[0]})")
+        return quality, unscored
     t0 = time.perf_counter()
     quality = env.quality(engine, cmp.after, label)
     step.timings["quality_s"] = round(time.perf_counter() - t0, 2)  # the probes' and eval's time (report: where the time went)
@@ -135,18 +142,6 @@ def _path_agreement(env: StepEnv, p: Pass, candidate: Plan, cmp: Comparison) -> 
             and not candidate.application.do_sample:
         return {"path_agreement": agreement_between(cmp.before.outputs, cmp.after.outputs)}
     return {}
-
-
-def _quality_cannot_decide(env: StepEnv, p: Pass, ramp: Pass | None, cmp: Comparison, early: Verdict) -> str | None:
-    """Why the quality probes and the eval cannot change this step's verdict, or None when they
-    can. A step whose objective did not beat its threshold is rolled back whatever its quality
-    (:meth:`.Policy.objective_improved`), unless its search may keep it anyway (``ramp.holds``: a
-    level that holds is kept only when no quality guard trips)."""
-    if env.recipe.policy.objective_improved(p.layer, changes=cmp.changes, after=env.metrics(cmp.after, {}), bands=cmp.bands):
-        return None
-    if ramp is not None and ramp.holds(early.outcome) is not None:
-        return None
-    return "the objective did not improve beyond its threshold: no quality number can keep the step"
 
 
 def _verdict(env: StepEnv, p: Pass, step: Step, kept: Kept, cmp: Comparison, quality: dict[str, Any]) -> Verdict:

@@ -172,7 +172,9 @@ def fault_run(tmp_path_factory, probes_module):
                                                                                              for f in dataclasses.fields(Policy)}))
     pipeline = _pipeline(recipe, root / "out", fail={"hardware.threads": {2: "simulated out of memory while loading"}},
                          fail_serve={"hardware.threads": {3: "simulated CUDA error while decoding"}},
-                         hang_s={"hardware.threads": {4: 120.0}}, nan={"hardware.dtype": {"float16": True}})
+                         hang_s={"hardware.threads": {4: 120.0}}, nan={"hardware.dtype": {"float16": True}},
+                         # faster, so their quality is scored (a step whose objective did not improve is rolled back unscored)
+                         speed={"hardware.dtype": {"float16": 3.0}, "hardware.threads": {7: 3.0}})
     t0 = time.perf_counter()
     with pytest.MonkeyPatch.context() as mp:
         # How long a timed-out worker may take to stop before it is abandoned. A stopping worker
