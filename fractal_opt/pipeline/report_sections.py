@@ -11,7 +11,7 @@ from typing import Any
 
 from ..language.policy import Policy
 from . import one_user
-from .confirm import final_lines
+from .confirm import drift_line, final_lines, traded_lines
 from .report_parts import STATUS_TEXT, Step, Trace, cell, figure_html, label, pct
 from .report_svg import COLOURS, LABEL_W, Svg, data_attrs, esc, fmt_num, is_num, nice_max
 from .run_info import wall_time
@@ -91,10 +91,13 @@ def summary(trace: Trace) -> list[str]:
         else:
             continue
         delta = f'<span class="{cls}"{c_attr}>{esc(pct(change))}</span><small>{esc(extra)}</small>' if is_num(change) else ""
+        traded = (conf.get("traded") or {}).get(metric) if status == "confirmed" else None
+        by = f'<div class="k">traded by {esc(traded["by"])}</div>' if traded else ""
         out.append(f'<div class="card"><div class="k">{esc(name)}</div><div class="v"><span{a_attr}>{esc(fmt_num(a))}</span> {delta}</div>'
-                   f'<div class="k">baseline <span{b_attr}>{esc(fmt_num(b))}</span></div></div>')
+                   f'<div class="k">baseline <span{b_attr}>{esc(fmt_num(b))}</span></div>{by}</div>')
     out.append("</div>")
-    return out + _final_one_user(final)
+    notes = [*traded_lines(conf), *([line] if (line := drift_line(conf)) else [])]  # what report.md and the terminal say beside the numbers
+    return out + [f'<p class="note">{esc(n)}</p>' for n in notes] + _final_one_user(final)
 
 
 def _final_one_user(final: dict[str, Any]) -> list[str]:
