@@ -21,15 +21,15 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 from .errors import RecipeError, closest
 from .files import MAX_DATA_BYTES, MAX_DEPTH, MAX_NODES, MAX_RECIPE_BYTES, load_data, parse_yaml, read_text, yaml_problem
 
-__all__ = ["MAX_DATA_BYTES", "MAX_DEPTH", "MAX_NODES", "MAX_RECIPE_BYTES", "MAX_TOKENS", "NAMED_BOUNDS", "Problems", "RecipeProblems", "bounds", "build", "check_bounds", "coerce", "load_data", "parse_yaml", "plain", "problems_of", "read_text", "type_name", "yaml_problem"]
+__all__ = ["MAX_DATA_BYTES", "MAX_DEPTH", "MAX_NODES", "MAX_RECIPE_BYTES", "MAX_TOKENS", "NAMED_BOUNDS", "Problems", "RecipeProblems", "bounds", "build", "check_bounds", "coerce", "load_data", "parse_each", "parse_yaml", "plain", "problems_of", "read_text", "type_name", "yaml_problem"]
+T = TypeVar("T")
 
 # 10 M tokens: the longest context window of any released model (Llama 4 Scout). A token count
 # above it is a typo, and would size caches of terabytes.
@@ -100,6 +100,18 @@ class Problems:
     def raise_if_any(self) -> None:
         if self.items:
             raise RecipeProblems(self.items)
+
+
+def parse_each(raw: list[Any], parse: Callable[[Any, int], T]) -> list[T]:
+    """``parse(entry, index)`` for every entry of a file's list; every bad entry is reported at
+    once (RecipeProblems), not the first (a suite's requests, an eval set's items)."""
+    found = Problems()
+    parsed: list[T] = []
+    for i, item in enumerate(raw):
+        with found.collect():
+            parsed.append(parse(item, i))
+    found.raise_if_any()
+    return parsed
 
 
 def _owner(cls: type) -> str:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ..core.errors import RecipeError, closest
-from ..core.validate import Problems, load_data
+from ..core.validate import load_data, parse_each
 from ..workloads.workload import Request
 
 if TYPE_CHECKING:
@@ -70,12 +70,7 @@ def load_eval_set(name: str) -> list[EvalItem]:
     raw = data.get("items") if isinstance(data, dict) else data
     if not isinstance(raw, list) or not raw:
         raise RecipeError(f"{where}: expected a non-empty list of items.")
-    found = Problems()  # every bad item of the file, not the first
-    items = []
-    for i, item in enumerate(raw):
-        with found.collect():
-            items.append(_item(item, i, where=where))
-    found.raise_if_any()
+    items = parse_each(raw, lambda item, i: _item(item, i, where=where))
     return items
 
 

@@ -98,14 +98,9 @@ class Workload:
         raw = data.get("requests") if isinstance(data, dict) else data
         if not isinstance(raw, list) or not raw:
             raise RecipeError(f"{where}: expected a non-empty list of requests.")
-        from ..core.validate import Problems
+        from ..core.validate import parse_each
 
-        found = Problems()  # every bad request of the file, not the first
-        requests = []
-        for i, item in enumerate(raw):
-            with found.collect():
-                requests.append(Request.from_data(item, index=i, where=where))
-        found.raise_if_any()
+        requests = parse_each(raw, lambda item, i: Request.from_data(item, index=i, where=where))
         return requests[: self.limit] if self.limit else requests
 
 
