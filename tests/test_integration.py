@@ -41,7 +41,7 @@ def test_pipeline_on_embedded_model(tmp_path):
     so only noise could trip it)."""
     recipe = {
         "model": MODEL,
-        "workload": {"suite": "default", "limit": 2, "max_new_tokens": 8, "repeats": 1, "warmup": 1},
+        "workload": {"suite": "default", "limit": 2, "max_new_tokens": 8, "repeats": 3, "max_repeats": 6, "warmup": 1},
         "quality": {"reference_tokens": 64, "eval": None},  # no eval set: a 4-token cap would fail it (that rule has its own test)
         "policy": {"guards": {"ttft_ms": None}},
         "passes": {"application": [{"max_new_tokens": {"limit": 4}}]},
