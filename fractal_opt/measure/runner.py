@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.threads import raise_in
 from .cost import RaplWindow, cost_readings
-from .isolation import CpuAccount, contended, others_quiet, tree_cpu_s
+from .isolation import CpuAccount, contended, others_quiet
 from .memory import GpuMonitor, MemoryWindow
 from .metrics import METRICS, PER_REPEAT, Measurement, Sample, capacity_mb, round_readings
 from .rounds import LoadRounds, Round, Rounds, SuiteRounds
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_RERUNS", "Runner", "in_own_thread", "measure", "measure_pair", "paired_changes"]
 
-_cpu_s = tree_cpu_s  # the name tests/runtimes/test_child_process.py reads
 # At most this many re-runs of a round the run's other processes disturbed (then it is kept,
 # flagged ``contended``): a process that cannot be stopped keeps disturbing, and a round costs time.
 MAX_RERUNS = 2

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 from ..engine.protocol import Engine
 from ..language.recipe import Recipe
 from ..measure.metrics import Measurement
-from ..quality.evals import eval_set_name, load_eval_set, score
+from ..quality.evals import eval_set_name, load_eval_set, score_answers
 from ..quality.probes import agreement, build_reference, model_probes
 from ..tower.plan import Plan
 from ..workloads.workload import Request
@@ -41,7 +41,7 @@ class StepQuality:
         self.reference: Any = None  # the baseline's reference logits and outputs
         self.reference_outputs: dict[str, list[int]] | None = None  # a resumed baseline's outputs, until the reference is scored again
         self._model_probes: dict[tuple, dict[str, float]] = {}  # by Plan.numerics_key()
-        self._eval_answers: dict[str, _EvalAnswers] = {}  # by eval_key(plan)
+        self._eval_answers: dict[str, tuple[str, list[Any]]] = {}  # by eval_key(plan): the step that served them, its generations
 
     def score_reference(self, engine: Engine, outputs: dict[str, list[int]] | None = None) -> None:
         """Score the reference text on the baseline's ``engine`` (``outputs``: its greedy answers, when known)."""
@@ -83,13 +83,13 @@ class StepQuality:
         budget = self.config.eval_max_new_tokens
         key = eval_key(engine.plan, budget)
         if (earlier := self._eval_answers.get(key)) is not None:
-            self.progress(f"{label}: eval set: reused from {earlier.label} (this pass changes nothing the eval depends on)")
-            return {**score(cast(Engine, earlier), self.eval_items, max_new_tokens=budget, baseline=baseline_eval), "eval_reused_from": earlier.label}
+            first, gens = earlier
+            self.progress(f"{label}: eval set: reused from {first} (this pass changes nothing the eval depends on)")
+            return {**score_answers(self.eval_items, gens, baseline=baseline_eval), "eval_reused_from": first}
         self.progress(f"{label}: eval set ({len(self.eval_items)} questions)")
-        answers = _EvalAnswers(engine, label)
-        out = score(cast(Engine, answers), self.eval_items, max_new_tokens=budget, baseline=baseline_eval)
-        self._eval_answers[key] = answers
-        return out
+        gens = engine.serve([item.request for item in self.eval_items], max_new_tokens=budget)
+        self._eval_answers[key] = (label, gens)
+        return score_answers(self.eval_items, gens, baseline=baseline_eval)
 
     def _custom(self, engine: Engine) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -115,23 +115,6 @@ def eval_key(plan: Plan, budget: int) -> str:
     cap = plan.application.max_new_tokens
     data["application"]["max_new_tokens"] = min(cap, budget) if cap else budget
     return json.dumps(data, sort_keys=True, default=str)
-
-
-class _EvalAnswers:
-    """The eval set's generations: served once by the engine of the step ``label``, then replayed
-    to :func:`~fractal_opt.quality.evals.score` for a later plan with the same :func:`eval_key` (the
-    engine itself is not kept)."""
-
-    def __init__(self, engine: Engine, label: str):
-        self.engine: Engine | None = engine
-        self.label = label
-        self.generations: list[Any] = []
-
-    def serve(self, requests: Sequence[Request], *, max_new_tokens: int | None = None) -> list[Any]:
-        if self.engine is not None:
-            self.generations = self.engine.serve(requests, max_new_tokens=max_new_tokens)
-            self.engine = None
-        return self.generations
 
 
 def _decoder(engine: Engine) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -36,9 +37,9 @@ from ..core.validate import load_data, parse_each
 from ..workloads.workload import Request
 
 if TYPE_CHECKING:
-    from ..engine.protocol import Engine
+    from ..engine.protocol import Engine, Generation
 
-__all__ = ["AUTO", "EvalItem", "eval_set_name", "load_eval_set", "matches", "packaged_eval_sets", "score", "sign_test_worse", "wilson"]
+__all__ = ["AUTO", "EvalItem", "eval_set_name", "load_eval_set", "matches", "packaged_eval_sets", "score", "score_answers", "sign_test_worse", "wilson"]
 
 MATCH_KINDS = ("exact", "contains", "regex", "choice")
 AUTO = "auto"  # quality.eval's default: see eval_set_name
@@ -128,7 +129,12 @@ def score(engine: Engine, items: list[EvalItem], *, max_new_tokens: int, baselin
     fewer items right than the baseline (:func:`sign_test_worse`): the accuracy guard's notion of
     "worse beyond noise".
     """
-    gens = engine.serve([item.request for item in items], max_new_tokens=max_new_tokens)
+    return score_answers(items, engine.serve([item.request for item in items], max_new_tokens=max_new_tokens), baseline=baseline)
+
+
+def score_answers(items: list[EvalItem], gens: Sequence[Generation], *, baseline: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """:func:`score` of answers already served (``gens``, one per item, in order): a plan whose
+    answers are known to be another's is scored without serving them again."""
     passed = [matches(g.text, item.answer, item.match) for g, item in zip(gens, items, strict=True)]
     low, high = wilson(sum(passed), len(items))
     out: dict[str, Any] = {"accuracy": round(sum(passed) / len(items), 4), "accuracy_low": low, "accuracy_high": high,

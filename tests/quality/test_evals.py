@@ -94,7 +94,8 @@ def test_custom_probe_numbers_reach_the_trace_and_guards(tiny_dir, small_recipe,
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("myprobes", None)
-    data = small_recipe(tiny_dir, passes={"application": [{"max_new_tokens": {"limit": 2}}]}, policy={"guards": {"answer_length.chars": {"max": -1}}})
+    # 3 rounds and up: the cap must beat its threshold before its quality is scored (speed first)
+    data = small_recipe(tiny_dir, repeats=3, max_repeats=6, passes={"application": [{"max_new_tokens": {"limit": 2}}]}, policy={"guards": {"answer_length.chars": {"max": -1}}})
     data["quality"] = {"reference_tokens": 64, "probes": ["myprobes:answer_length"], "allow_code": True}
     result = fractal_opt.optimize(data, progress=False)
     assert "answer_length.chars" in result.trace.baseline.metrics["quality"]
