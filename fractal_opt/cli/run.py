@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..core.errors import RecipeError
     from ..language.recipe import load_recipe
-    from ..pipeline.confirm import final_lines
+    from ..pipeline.confirm_text import final_lines
     from ..pipeline.report import busy_warning
     from ..pipeline.report_answers import answers_text
     from ..pipeline.runner import Pipeline

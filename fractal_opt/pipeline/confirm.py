@@ -25,6 +25,12 @@ at the final plan's load, the headline "final vs baseline" (what the user will r
 the baseline's, shown beside it (``confirmation.at_loads``, each labelled "at N clients"). The drift
 check compares the headline's final with its own step, which measured it at that same load.
 
+An objective a later kept step traded (:mod:`.objectives`: continuous batching shares the cores, so
+each stream of a burst decodes slower) is measured where the step that kept it measured it: when
+the headline load holds more than one request in flight, both plans are served again one request
+at a time (1 client, ``at_loads`` labelled "at 1 client"), and the traded objective must improve
+there, or the final is not confirmed.
+
 When the two plans do not fit in memory together (the step measurer's own rule), they are measured
 one after the other instead, and the band includes twice the calibration's A/A drift, as a
 back-to-back step's does.
@@ -33,11 +39,9 @@ back-to-back step's does.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
-from functools import partial
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..core.text import fmt
 from ..measure.metrics import METRICS, Measurement
 from ..measure.noise import band
 from ..measure.rounds import offered_clients
@@ -48,7 +52,7 @@ if TYPE_CHECKING:
     from ..tower.plan import Plan
     from .step_measurement import StepMeasurer
 
-__all__ = ["HEADLINE", "confirm", "drift", "failed", "final_lines", "offered_loads", "same_plan", "traded_lines", "unchanged"]
+__all__ = ["HEADLINE", "confirm", "drift", "failed", "offered_entries", "offered_loads", "same_plan", "unchanged"]
 
 # The numbers "final vs baseline" spells out (trace.json keeps every metric's interval). Peak
 # memory is left out: interleaving keeps both models resident, so it cannot show either plan's own.
@@ -82,6 +86,7 @@ def confirm(
     objectives: Iterable[str],
     weight_mb: tuple[float | None, float | None] = (None, None),
     label: str = "final vs baseline",
+    alone: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Measure ``final_plan`` against ``baseline_plan`` after the last step; ``trace.final``'s fields.
 
@@ -99,10 +104,13 @@ def confirm(
             ``confirmed`` when each of them improved beyond noise. Rounds are added (up to the
             workload's ``max_repeats``) while the last one's interval is unsettled, as in a step.
         weight_mb: the baseline's and the final plan's weights from the census (exact, no interval).
+        alone: the objectives a later kept step traded: measured again one request at a time
+            (:func:`offered_entries`), where they must improve beyond noise.
     """
     objectives = list(dict.fromkeys(objectives))
     objective = objectives[-1] if objectives else "decode_tokens_per_s"
-    loads = offered_loads(steps.workload, baseline_plan, final_plan)
+    entries = offered_entries(offered_loads(steps.workload, baseline_plan, final_plan), objectives, alone)
+    loads = [clients for clients, _, _ in entries]
     clock = _Clock()
     mode = steps.before_build(baseline_plan, final_plan)  # keeps the final plan's engine resident when both fit
     if mode == "interleaved":
@@ -114,16 +122,20 @@ def confirm(
         drift = steps.calibration
         note = ("baseline and final plan did not fit in memory together: measured again one after the other; "
                 "the band includes 2 x the A/A drift")
-    same = {"mode": mode, "objectives": objectives, "min_effect": steps.min_effect, "drift": drift, "weight_mb": weight_mb}
+    same = {"mode": mode, "min_effect": steps.min_effect, "drift": drift, "weight_mb": weight_mb}
     labelled = len(loads) > 1  # one load: the note is as it always was
-    fields = [record(before, after, note=note + (_at(clients, whose) if labelled else ""), **same)
-              for (before, after), (clients, whose) in zip(pairs, _whose(loads))]
+    fields = [record(before, after, note=note + (_at(clients, whose) if labelled else ""), objectives=objs, **same)
+              for (before, after), (clients, whose, objs) in zip(pairs, entries)]
     head = fields[0]
     conf = head["confirmation"]
     if loads[0] is not None:
         conf["clients"] = loads[0]
     if len(loads) > 1:
-        conf["at_loads"] = [_at_load(f, clients, whose, headline=i == 0) for i, (f, (clients, whose)) in enumerate(zip(fields, _whose(loads)))]
+        conf["at_loads"] = [_at_load(f, clients, whose, headline=i == 0) for i, (f, (clients, whose, _)) in enumerate(zip(fields, entries))]
+    if alone and len(fields) > 1 and entries[-1][0] == 1 and fields[-1]["status"] != "confirmed":  # a trade that does not hold alone is a loss
+        head["status"] = "not_confirmed"
+        why = f"one request at a time, {fields[-1]['confirmation'].get('not_confirmed', 'the traded objective did not improve')}"
+        conf["not_confirmed"] = "; ".join(filter(None, (conf.get("not_confirmed"), why)))
     conf["timings"] = clock.timings()
     return head
 
@@ -136,6 +148,16 @@ def offered_loads(workload: Any, baseline_plan: Plan, final_plan: Plan) -> list[
     return [final] if final == base else [final, base]
 
 
+def offered_entries(loads: list[int | None], objectives: list[str], alone: Sequence[str]) -> list[tuple[int | None, str, list[str]]]:
+    """(clients, whose load, the objectives judged there) for each comparison the confirmation makes:
+    the :func:`offered_loads`, then, for the objectives a later step traded (``alone``), one request
+    at a time when the headline holds more than one in flight (the load their own step had)."""
+    entries = [(clients, whose, objectives) for clients, whose in _whose(loads)]
+    if alone and (loads[0] or 0) > 1 and 1 not in loads:
+        entries.append((1, f"one request at a time, where {', '.join(alone)} was kept", list(alone)))
+    return entries
+
+
 def _whose(loads: list[int | None]) -> list[tuple[int | None, str]]:
     """Each load with whose it is: the final plan's offered load first, then the baseline's."""
     if len(loads) == 1:
@@ -145,13 +167,13 @@ def _whose(loads: list[int | None]) -> list[tuple[int | None, str]]:
 
 def _at(clients: int | None, whose: str) -> str:
     """The note's load: ``", at 16 clients (the final plan's offered load)"``; "" without a closed load."""
-    return "" if clients is None else f", at {clients} clients ({whose})"
+    return "" if clients is None else f", at {clients} client{'' if clients == 1 else 's'} ({whose})"
 
 
 def _at_load(fields: Mapping[str, Any], clients: int | None, whose: str, *, headline: bool) -> dict[str, Any]:
     """One entry of ``confirmation.at_loads``: the comparison at one offered load, labelled."""
     conf = fields["confirmation"]
-    entry = {"clients": clients, "label": f"at {clients} clients", "whose": whose, "headline": headline, "status": fields["status"],
+    entry = {"clients": clients, "label": f"at {clients} client{'' if clients == 1 else 's'}", "whose": whose, "headline": headline, "status": fields["status"],
              "rounds": conf["rounds"], "metrics": conf["metrics"]}
     if "not_confirmed" in conf:
         entry["not_confirmed"] = conf["not_confirmed"]
@@ -289,92 +311,3 @@ def drift(fields: Mapping[str, Any], *, step: str, objective: str, in_step: Any,
     change = here / in_step - 1
     return {"metric": objective, "step": step, "confirmed": here, "in_step": in_step, "change": round(change, 4),
             "noise": round(noise, 4), "agrees": abs(change) <= noise}
-
-
-def traded_lines(conf: Mapping[str, Any]) -> list[str]:
-    """One line per kept objective a later kept step paid with (``confirmation.traded``, :mod:`.objectives`)."""
-    return [f"Traded: {metric} by {t['by']} for {t['for']} ({t['change']:+.1%} in that step, beyond its threshold ±{t['band']:.1%}, "
-            "a cost no guard forbids): not required to beat the baseline." for metric, t in (conf.get("traded") or {}).items()]
-
-
-def drift_line(conf: Mapping[str, Any]) -> str | None:
-    """``drift: the final's decode_tokens_per_s is 34.0 here, 78.0 in its own step (...)``; None when it agrees."""
-    d = conf.get("drift") or {}
-    if not d or d.get("agrees", True):
-        return None
-    return (f"drift: the final plan's {d['metric']} is {_num(d['confirmed'])} here, {_num(d['in_step'])} in its own step ({d['step']}): "
-            f"{d['change']:+.1%}, beyond the calibrated noise ±{d['noise']:.1%} (A/A); the final was not measured under its step's conditions.")
-
-
-# ---------------------------------------------------------------------------- rendering
-
-def final_lines(final: Mapping[str, Any], *, markdown: bool = True) -> list[str]:
-    """What report.md (``markdown``) or the terminal says about the final plan.
-
-    Only a confirmation's numbers are printed as final vs baseline; a provisional plan (a run in
-    progress or killed) is named as the best so far, without deltas.
-    """
-    if not final:
-        return []
-    kept = list(final.get("kept") or [])
-    status = final.get("status", "provisional")
-    names = ", ".join(kept)
-    if status == "unchanged" or (not kept and status != "provisional"):
-        if kept:  # kept passes whose settings add up to the baseline's
-            return [f"Final plan: the baseline's settings (kept: {names}, which together change nothing); nothing changed."]
-        return ["Final plan: the baseline: no pass was kept; nothing changed."]
-    if status == "provisional":
-        if not kept:
-            return ["Best plan so far: the baseline (no pass kept yet)."]
-        return [f"Best plan so far: {names} (not yet measured against the baseline: that runs after the last step)."]
-    out = [f"Final plan: {names}."]
-    conf = final.get("confirmation") or {}
-    if status == "failed":
-        return [*out, f"Final vs baseline: not measured (the confirmation failed: {conf.get('error', 'unknown error')}); no change is claimed."]
-    head = (f"Final vs baseline ({conf.get('note', 'measured again')}, {conf.get('rounds')} rounds; paired estimate [95% interval], "
-            "medians baseline -> final):")
-    out += _table(head, conf.get("metrics") or {}, markdown=markdown)
-    for other in (e for e in conf.get("at_loads") or [] if not e.get("headline")):  # the same two plans at the baseline's load, beside the headline
-        verdict = "confirmed" if other.get("status") == "confirmed" else f"not confirmed ({other.get('not_confirmed', 'no objective improved beyond noise')})"
-        out += _table(f"Beside it, {other['label']} ({other['whose']}; the same two plans, {other.get('rounds')} rounds): {verdict}:",
-                      other.get("metrics") or {}, markdown=markdown)
-    if (line := drift_line(conf)) is not None:
-        out.append(line)
-    out += traded_lines(conf)
-    if status == "confirmed":
-        out.append(f"Confirmed: {', '.join(conf.get('objectives') or [])} better than the baseline beyond noise.")
-    else:
-        out.append(f"Not confirmed: {conf.get('not_confirmed', 'the kept objectives did not improve beyond noise')}; "
-                   "the steps' gains did not hold up when the final plan met the baseline again.")
-    return out
-
-
-def _table(head: str, metrics: Mapping[str, Any], *, markdown: bool) -> list[str]:
-    """One comparison's headline metrics under ``head``: a markdown table, or indented terminal lines."""
-    rows = [m for m in (*HEADLINE, "weight_mb") if m in metrics]
-    if not markdown:
-        return [head, *(f"  {m}: {_cell(metrics[m])}" for m in rows)]
-    return ["", head, "", "| metric | paired change [95%] | threshold (interval half-width, at least min_effect) | medians baseline -> final | verdict |",
-            "|---|---|---|---|---|", *(_row(m, metrics[m]) for m in rows), ""]
-
-
-_num = partial(fmt, missing="–")  # the one number formatter, with the tables' dash for a missing value
-
-
-def _cell(entry: Mapping[str, Any]) -> str:
-    """One metric for the terminal: the change, where it comes from, and the verdict."""
-    if entry.get("source") == "census":
-        return f"{entry['change']:+.1%} ({_num(entry['baseline'])} -> {_num(entry['final'])} MB, census) {entry['verdict']}"
-    lo, hi = entry["interval"]
-    return (f"paired estimate {entry['change']:+.1%} [95%: {lo:+.1%}, {hi:+.1%}], threshold ±{entry['band']:.1%}, "
-            f"medians {_num(entry.get('baseline_median'))} -> {_num(entry.get('final_median'))}: {entry['verdict']}")
-
-
-def _row(metric: str, entry: Mapping[str, Any]) -> str:
-    if entry.get("source") == "census":
-        cells = [metric, f"{entry['change']:+.1%} (census, exact)", "–", f"{_num(entry['baseline'])} -> {_num(entry['final'])}", entry["verdict"]]
-    else:
-        lo, hi = entry["interval"]
-        cells = [metric, f"{entry['change']:+.1%} [{lo:+.1%}, {hi:+.1%}]", f"±{entry['band']:.1%}",
-                 f"{_num(entry.get('baseline_median'))} -> {_num(entry.get('final_median'))}", entry["verdict"]]
-    return "| " + " | ".join(cells) + " |"

@@ -8,7 +8,7 @@ no guard forbids: decode_tokens_per_s -64%"). The final plan then cannot beat th
 earlier objective by the earlier step's margin, and requiring it would call every such trade "not
 confirmed". So an objective is *traded* when a later kept step, judged on another objective, made
 it worse beyond that step's own threshold; the confirmation reports it with the step that traded
-it and does not require it to improve (:func:`~.confirm.traded_lines` writes it). Every other kept layer's objective must still improve
+it and does not require it to improve (:func:`~.confirm_text.traded_lines` writes it). Every other kept layer's objective must still improve
 beyond noise against the baseline.
 
 Example:
@@ -69,4 +69,20 @@ def annotate(fields: dict[str, Any], *, kept: Sequence[Any], traded: dict[str, d
     if d is not None:
         fields["confirmation"]["drift"] = d
     if traded:
-        fields["confirmation"]["traded"] = traded
+        fields["confirmation"]["traded"] = {m: {**t, **_alone(fields, m, kept, objective_of, calibration, min_effect)} for m, t in traded.items()}
+
+
+def _alone(fields: dict[str, Any], metric: str, kept: Sequence[Any], objective_of: Callable[[str], str], calibration: dict[str, Any],
+           min_effect: float) -> dict[str, Any]:
+    """``{"alone": ...}``: a traded ``metric`` measured one request at a time in the confirmation
+    (its ``at 1 client`` entry), with its drift against the last kept step judged on it; {} without one."""
+    entry = next((e for e in fields["confirmation"].get("at_loads") or [] if e.get("clients") == 1 and not e.get("headline")), None)
+    numbers = (entry or {}).get("metrics", {}).get(metric)
+    if numbers is None:
+        return {}
+    alone = {k: numbers[k] for k in ("change", "interval", "band", "verdict", "baseline_median", "final_median")}
+    own = next((s for s in reversed(kept) if objective_of(s.layer) == metric), None)
+    if own is not None and (d := drift({"confirmation": entry}, step=f"{own.layer}/{own.pass_name}", objective=metric,
+                                       in_step=own.metrics.get(metric), calibration=calibration, min_effect=min_effect)) is not None:
+        alone["drift"] = d
+    return {"alone": alone}

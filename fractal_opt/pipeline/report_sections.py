@@ -11,7 +11,7 @@ from typing import Any
 
 from ..language.policy import Policy
 from . import one_user
-from .confirm import drift_line, final_lines, traded_lines
+from .confirm_text import drift_line, final_lines, traded_lines
 from .report_parts import STATUS_TEXT, Step, Trace, cell, figure_html, label, pct
 from .report_svg import COLOURS, LABEL_W, Svg, data_attrs, esc, fmt_num, is_num, nice_max
 from .run_info import wall_time

@@ -321,7 +321,7 @@ class Pipeline:
         self.progress("final: measuring the final plan against the baseline again, interleaved")
         try:
             fields = confirm.confirm(self._steps, baseline_plan=base, final_plan=final, build=lambda plan: self._build(plan, machine)[0],
-                                     objectives=objectives, weight_mb=(self._trace.baseline.metrics.get("weight_mb"), self.kept.weight_mb))
+                                     objectives=objectives, weight_mb=(self._trace.baseline.metrics.get("weight_mb"), self.kept.weight_mb), alone=list(traded))
             annotate(fields, kept=kept, traded=traded, objective_of=objective_of, calibration=self._trace.calibration, min_effect=self.recipe.policy.min_effect)
         except (Exception, MemoryError) as e:  # the steps stand; only the final comparison is missing
             fields = confirm.failed(e)

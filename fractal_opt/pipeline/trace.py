@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import FractalOptError
-from .confirm import final_lines
+from .confirm_text import final_lines
 from .labels import pass_label
 from .report import calibration_lines, final_one_user_lines, measurement_lines, one_user_lines
 from .report_answers import answers_lines

@@ -223,7 +223,8 @@ def test_cap_that_cuts_needed_answers_is_rolled_back(lively_dir, requests, small
     items = [{"prompt": p, "answer": a[len(a) // 2 :], "match": "contains"} for p, a in zip(prompts, answers)]
     eval_path = tmp_path / "needs-12-tokens.yaml"
     eval_path.write_text(yaml.safe_dump({"name": "needs-12-tokens", "items": items}), encoding="utf-8")
-    recipe = small_recipe(lively_dir, max_new_tokens=12, repeats=1, policy={"guards": {"ttft_ms": None}}, passes={"application": [{"max_new_tokens": {"limit": 3}}]})
+    # 3 rounds and up: the cap must beat its threshold before its quality is scored (speed first)
+    recipe = small_recipe(lively_dir, max_new_tokens=12, repeats=3, max_repeats=6, policy={"guards": {"ttft_ms": None}}, passes={"application": [{"max_new_tokens": {"limit": 3}}]})
     recipe["quality"].update(eval=str(eval_path), eval_max_new_tokens=12)
     result = Pipeline(recipe, progress=False).run()
     (step,) = result.trace.steps

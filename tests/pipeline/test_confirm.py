@@ -13,7 +13,7 @@ from fractal_opt.language.recipe import load_recipe
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.measure.rounds import LoadRounds
 from fractal_opt.measure.runner import measure_pair
-from fractal_opt.pipeline import confirm
+from fractal_opt.pipeline import confirm, confirm_text
 from fractal_opt.pipeline.runner import Pipeline
 from fractal_opt.pipeline.step_measurement import StepMeasurer
 from fractal_opt.serving.server import Server
@@ -101,7 +101,7 @@ def test_final_vs_baseline_is_printed_from_the_confirmation_only(planted):
     assert "Final vs baseline (baseline and final plan measured again after the last step, interleaved" in report
     assert f"| decode_tokens_per_s | {decode['change']:+.1%} [{low:+.1%}, {high:+.1%}] |" in report
     assert "Confirmed: decode_tokens_per_s better than the baseline beyond noise." in report
-    text = "\n".join(confirm.final_lines(result.trace.final, markdown=False))
+    text = "\n".join(confirm_text.final_lines(result.trace.final, markdown=False))
     assert f"decode_tokens_per_s: paired estimate {decode['change']:+.1%} [95%: {low:+.1%}, {high:+.1%}]" in text
     trace = json.loads((out / "trace.json").read_text(), parse_constant=lambda c: pytest.fail(f"trace.json holds {c}"))
     assert trace["final"]["confirmation"]["metrics"]["decode_tokens_per_s"]["interval"] == [low, high]
@@ -155,9 +155,9 @@ def test_two_measurements_of_the_same_plan_are_within_noise():
 
 def test_a_run_in_progress_claims_no_final_vs_baseline():
     """Between steps trace.final is provisional: the best plan so far is named, with no deltas."""
-    lines = confirm.final_lines({"kept": ["hardware/dtype"], "status": "provisional", "vs_baseline": {}})
+    lines = confirm_text.final_lines({"kept": ["hardware/dtype"], "status": "provisional", "vs_baseline": {}})
     assert lines == ["Best plan so far: hardware/dtype (not yet measured against the baseline: that runs after the last step)."]
-    failed = confirm.final_lines({"kept": ["hardware/dtype"], **confirm.failed(MemoryError("out of memory"))})
+    failed = confirm_text.final_lines({"kept": ["hardware/dtype"], **confirm.failed(MemoryError("out of memory"))})
     assert failed[-1] == "Final vs baseline: not measured (the confirmation failed: MemoryError: out of memory); no change is claimed."
 
 
@@ -166,7 +166,7 @@ def test_a_plan_equal_to_the_baseline_but_for_its_history_is_the_baseline():
     base = Plan(source="fake")
     again = base.replace_section("hardware", dtype="bfloat16").replace_section("hardware", dtype=base.hardware.dtype).with_applied("dtype")
     assert confirm.same_plan(base, again) and not confirm.same_plan(base, base.replace_section("hardware", dtype="bfloat16"))
-    lines = confirm.final_lines({"kept": ["hardware/dtype"], **confirm.unchanged()})
+    lines = confirm_text.final_lines({"kept": ["hardware/dtype"], **confirm.unchanged()})
     assert lines == ["Final plan: the baseline's settings (kept: hardware/dtype, which together change nothing); nothing changed."]
 
 
@@ -206,11 +206,11 @@ def test_a_final_slower_in_the_confirmation_than_in_its_own_step_is_reported_as_
     assert [s.status for s in result.trace.steps] == ["kept"], result.trace.steps[0].reason
     d = result.trace.final["confirmation"]["drift"]
     assert not d["agrees"] and d["change"] == pytest.approx(-0.5, abs=0.1), d
-    line = f"drift: the final plan's decode_tokens_per_s is {confirm._num(d['confirmed'])} here, {confirm._num(d['in_step'])} in its own step (hardware/dtype)"
+    line = f"drift: the final plan's decode_tokens_per_s is {confirm_text._num(d['confirmed'])} here, {confirm_text._num(d['in_step'])} in its own step (hardware/dtype)"
     assert line in (tmp_path / "report.md").read_text()
-    assert any(t.startswith(line) for t in confirm.final_lines(result.trace.final, markdown=False))
+    assert any(t.startswith(line) for t in confirm_text.final_lines(result.trace.final, markdown=False))
     agreeing = {**result.trace.final, "confirmation": {**result.trace.final["confirmation"], "drift": {**d, "agrees": True}}}
-    assert not any("drift:" in t for t in confirm.final_lines(agreeing, markdown=False))
+    assert not any("drift:" in t for t in confirm_text.final_lines(agreeing, markdown=False))
 
 
 # ---------------------------------------------------------------------------- the offered load
@@ -254,7 +254,7 @@ class LoadEngine(FakeEngine):
         return _Counting(self, seed=seed, ignore_eos=ignore_eos)
 
 
-def _confirm_under_load(final_plan, *, mode="interleaved"):
+def _confirm_under_load(final_plan, *, mode="interleaved", alone=()):
     """``confirm()`` of the fake baseline against ``final_plan`` under a closed load of 2 clients;
     the fields and the two engines built (baseline, final)."""
     workload = Workload(suite="default", limit=3, max_new_tokens=6, repeats=2, warmup=1, load={"mode": "closed", "concurrency": 2, "requests": 4})
@@ -268,7 +268,7 @@ def _confirm_under_load(final_plan, *, mode="interleaved"):
     steps = StepMeasurer(machine=cpu_machine(), workload=workload, requests=workload.requests(), min_effect=0.05, build=build, limits=LIMITS)
     if mode == "back_to_back":
         steps.before_build = lambda *plans: "back_to_back"
-    fields = confirm.confirm(steps, baseline_plan=Plan(source="fake"), final_plan=final_plan, build=build, objectives=["decode_tokens_per_s"])
+    fields = confirm.confirm(steps, baseline_plan=Plan(source="fake"), final_plan=final_plan, build=build, objectives=["decode_tokens_per_s"], alone=alone)
     return fields, built
 
 
@@ -313,6 +313,41 @@ def test_plans_measured_back_to_back_are_each_built_once_and_measured_at_both_lo
     assert built["baseline"].peaks == [4, 4, 4, 2, 2, 2] and built["final"].peaks == [4, 4, 4, 2, 2, 2]
 
 
+def test_a_traded_objective_is_measured_again_one_request_at_a_time():
+    """An objective a later step traded (decode, by batching) is compared where its own step
+    measured it: after the headline at 2 clients, both plans again at 1 client, labelled, each
+    round holding one request; it must improve there for the final to be confirmed."""
+    fields, built = _confirm_under_load(Plan(source="fake").replace_section("hardware", dtype="bfloat16"), alone=["decode_tokens_per_s"])
+    conf = fields["confirmation"]
+    assert [(e["label"], e["whose"], e["headline"]) for e in conf["at_loads"]] == [
+        ("at 2 clients", "both plans' offered load", True), ("at 1 client", "one request at a time, where decode_tokens_per_s was kept", False)]
+    assert conf["note"].endswith(", at 2 clients (both plans' offered load)")
+    assert built["baseline"].peaks == [2, 2, 2, 1, 1, 1] and built["final"].peaks == [2, 2, 2, 1, 1, 1]
+    assert fields["status"] == "confirmed" and conf["at_loads"][1]["status"] == "confirmed"
+    assert conf["at_loads"][1]["metrics"]["decode_tokens_per_s"]["change"] == pytest.approx(1.0, abs=0.15)
+
+
+def test_a_traded_objective_that_does_not_hold_alone_leaves_the_final_unconfirmed():
+    """The one-request comparison's verdict counts: an objective with no paired number there
+    (kl_mean is not timed) makes the final not confirmed, and the reason says where."""
+    fields, _ = _confirm_under_load(Plan(source="fake").replace_section("hardware", dtype="bfloat16"), alone=["kl_mean"])
+    conf = fields["confirmation"]
+    assert conf["at_loads"][0]["status"] == "confirmed" and conf["at_loads"][1]["status"] == "not_confirmed"
+    assert fields["status"] == "not_confirmed" and conf["not_confirmed"] == "one request at a time, no paired number for kl_mean"
+
+
+def test_the_one_request_comparison_is_added_only_where_more_were_in_flight():
+    """offered_entries: one request at a time is added for traded objectives under a closed load of
+    more than one client; not without a trade, at 1 client already, or where the load is not a client count."""
+    both, alone = ["throughput_tokens_per_s"], ["decode_tokens_per_s"]
+    assert [c for c, _, _ in confirm.offered_entries([4], both, alone)] == [4, 1]
+    assert confirm.offered_entries([4], both, alone)[1][2] == alone
+    assert [c for c, _, _ in confirm.offered_entries([16, 8], both, alone)] == [16, 8, 1]
+    assert [c for c, _, _ in confirm.offered_entries([4], both, [])] == [4]
+    assert [c for c, _, _ in confirm.offered_entries([1], both, alone)] == [1]
+    assert [c for c, _, _ in confirm.offered_entries([None], both, alone)] == [None]
+
+
 def test_report_and_terminal_show_the_other_load_beside_the_headline():
     """report.md and the terminal print the headline at the final plan's load, then the comparison
     at the baseline's load beside it, with its label and verdict."""
@@ -321,12 +356,12 @@ def test_report_and_terminal_show_the_other_load_beside_the_headline():
     other = fields["confirmation"]["at_loads"][1]
     d = other["metrics"]["decode_tokens_per_s"]
     beside = f"Beside it, at 2 clients (the baseline's offered load; the same two plans, {other['rounds']} rounds): confirmed:"
-    md = confirm.final_lines(final)
+    md = confirm_text.final_lines(final)
     assert md[2].startswith("Final vs baseline (baseline and final plan measured again after the last step, interleaved (A B / B A), at 4 clients")
     assert beside in md and md.index(beside) > md.index(next(t for t in md if t.startswith("| decode_tokens_per_s")))
     row = f"| decode_tokens_per_s | {d['change']:+.1%} [{d['interval'][0]:+.1%}, {d['interval'][1]:+.1%}] |"
     assert any(t.startswith(row) for t in md[md.index(beside):])
-    text = confirm.final_lines(final, markdown=False)
+    text = confirm_text.final_lines(final, markdown=False)
     assert beside in text and f"  decode_tokens_per_s: paired estimate {d['change']:+.1%}" in text[text.index(beside) + 1]
 
 

@@ -2,7 +2,8 @@
 
 from types import SimpleNamespace
 
-from fractal_opt.pipeline.confirm import record, traded_lines
+from fractal_opt.pipeline.confirm import record
+from fractal_opt.pipeline.confirm_text import traded_lines
 from fractal_opt.pipeline.objectives import annotate, split_objectives
 
 OBJECTIVE = {"hardware": "decode_tokens_per_s", "model": "decode_tokens_per_s", "scheduling": "throughput_tokens_per_s",
@@ -77,3 +78,22 @@ def test_report_html_marks_a_traded_objective_beside_its_number():
     page = "\n".join(summary(trace))
     assert '<div class="k">traded by scheduling/batching</div>' in page
     assert "Traded: decode_tokens_per_s by scheduling/batching for throughput_tokens_per_s (-64.8% in that step, beyond its threshold ±29.0%" in page
+
+
+def test_a_traded_objective_measured_alone_carries_its_numbers_and_its_drift():
+    """With a one-request comparison in the confirmation, the trade records the objective there
+    (medians, interval, verdict) and its drift against the step that kept it; the Traded line says both."""
+    entry = {"clients": 1, "label": "at 1 client", "headline": False, "status": "confirmed",
+             "metrics": {"decode_tokens_per_s": {"change": 2.07, "interval": [1.9, 2.2], "band": 0.08, "verdict": "better",
+                                                 "baseline_median": 17.8, "final_median": 54.8}}}
+    fields = {"status": "confirmed", "confirmation": {"metrics": {}, "at_loads": [{"clients": 4, "headline": True, "metrics": {}}, entry]}}
+    runtime = step("hardware", "runtime", {"decode_tokens_per_s": 2.0}, {"decode_tokens_per_s": 0.1}, metrics={"decode_tokens_per_s": 55.3})
+    batching = step("scheduling", "batching", {"decode_tokens_per_s": -0.64}, {"decode_tokens_per_s": 0.1})
+    _, traded = split_objectives([runtime, batching], OBJECTIVE)
+    annotate(fields, kept=[runtime, batching], traded=traded, objective_of=OBJECTIVE, calibration={"resolution": {"decode_tokens_per_s": 0.03}}, min_effect=0.05)
+    alone = fields["confirmation"]["traded"]["decode_tokens_per_s"]["alone"]
+    assert (alone["final_median"], alone["verdict"]) == (54.8, "better")
+    assert alone["drift"]["step"] == "hardware/runtime" and alone["drift"]["in_step"] == 55.3 and alone["drift"]["agrees"]
+    line = traded_lines(fields["confirmation"])[0]
+    assert "not required to beat the baseline at this load; one request at a time, medians 17.8 -> 54.8, paired estimate +207.0% [95%: +190.0%, +220.0%]: better" in line
+    assert line.endswith("; -0.9% against its own step (hardware/runtime: 55.3), within the calibrated noise ±5.0%."), line

@@ -71,7 +71,8 @@ def test_a_cap_that_truncates_needed_answers_is_rolled_back_on_accuracy(lively_d
     """max_new_tokens cuts answers the eval set needs: accuracy drops and the max_drop guard rolls it back."""
     eval_path = tmp_path / "own.yaml"
     _own_answers_eval_set(lively_dir, eval_path, tokens=12)
-    data = small_recipe(lively_dir, passes={"application": [{"max_new_tokens": {"limit": 2}}]}, max_new_tokens=12)
+    # 3 rounds and up: the cap must beat its threshold before its quality is scored (speed first)
+    data = small_recipe(lively_dir, repeats=3, max_repeats=6, passes={"application": [{"max_new_tokens": {"limit": 2}}]}, max_new_tokens=12)
     data["quality"] = {"reference_tokens": 64, "eval": str(eval_path), "eval_max_new_tokens": 12}
     result = fractal_opt.optimize(data, progress=False)
     baseline_quality = result.trace.baseline.metrics["quality"]
