@@ -132,12 +132,20 @@ def confirm(
         conf["clients"] = loads[0]
     if len(loads) > 1:
         conf["at_loads"] = [_at_load(f, clients, whose, headline=i == 0) for i, (f, (clients, whose, _)) in enumerate(zip(fields, entries))]
-    if alone and len(fields) > 1 and entries[-1][0] == 1 and fields[-1]["status"] != "confirmed":  # a trade that does not hold alone is a loss
-        head["status"] = "not_confirmed"
-        why = f"one request at a time, {fields[-1]['confirmation'].get('not_confirmed', 'the traded objective did not improve')}"
-        conf["not_confirmed"] = "; ".join(filter(None, (conf.get("not_confirmed"), why)))
+    if alone:
+        _hold_traded_alone(head, fields, entries)
     conf["timings"] = clock.timings()
     return head
+
+
+def _hold_traded_alone(head: dict[str, Any], fields: Sequence[Mapping[str, Any]], entries: Sequence[tuple]) -> None:
+    """A traded objective that does not improve one request at a time (the last entry) leaves the final unconfirmed."""
+    if len(fields) < 2 or entries[-1][0] != 1 or fields[-1]["status"] == "confirmed":
+        return
+    conf = head["confirmation"]
+    head["status"] = "not_confirmed"
+    why = f"one request at a time, {fields[-1]['confirmation'].get('not_confirmed', 'the traded objective did not improve')}"
+    conf["not_confirmed"] = "; ".join(filter(None, (conf.get("not_confirmed"), why)))
 
 
 def offered_loads(workload: Any, baseline_plan: Plan, final_plan: Plan) -> list[int | None]:

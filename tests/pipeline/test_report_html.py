@@ -194,6 +194,25 @@ def test_browser_screenshot_is_a_picture(run, tmp_path):
     assert len(data) > 60_000, f"{len(data)} bytes: a blank page compresses far below that"
 
 
+def test_browser_shows_the_frontier_and_the_cost_per_token(run, tmp_path):
+    """In the laid-out page: the trade-offs section with every measured plan as a point (the Pareto set and the
+    chosen plan marked, each linked to a row), and the cost table's CPU-seconds per 1,000 tokens for each plan."""
+    _, out = run
+    dump = _browser(["--dump-dom", (out / "report.html").as_uri()], tmp_path)
+    assert dump.returncode == 0, dump.stderr[-2000:]
+    parser = _Marks()
+    parser.feed(dump.stdout)
+    assert "Trade-offs and the cost per token" in parser.headings and "The cost per token" in parser.headings
+    trace = json.loads((out / "trace.json").read_text())
+    measured = {str(i) for i, s in enumerate(trace["steps"], start=1) if s["metrics"]} | {"0"}
+    points = [m for m in parser.marks if m.get("class") == "fo-point"]
+    assert {p["data-step"] for p in points} == measured
+    assert any(p["data-pareto"] == "1" for p in points) and sum(p["data-chosen"] == "1" for p in points) >= 1
+    assert all(f'id="fo-step-{p["data-step"]}"' in dump.stdout for p in points), "every point links to a row that exists"
+    costs = {m["data-step"] for m in parser.marks if m["data-metric"] == "metrics.cpu_s_per_1k_tokens"}
+    assert costs == measured, (costs, measured)
+
+
 def _chart_texts(page: str) -> list[tuple[str, str]]:
     """``(shown text, tooltip)`` of every SVG <text>: its tspans joined by spaces, and its <title>."""
     texts = []
