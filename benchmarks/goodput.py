@@ -18,7 +18,8 @@ Plans: transformers one request at a time (the Plan defaults); transformers cont
 with 8 in flight and its prefix sharing (``allow_block_sharing``); llama.cpp with continuous
 batching, 8 slots, threads auto, flash attention and its prompt cache, on the GGUF re-quantized
 to Q8_0, through the wheel and through the native llama-server build when ``make
-setup-llama-native`` built it; the best of these by throughput is "the tuned llama.cpp plan"; and
+setup-llama-native`` built it, and on the native build the GGUF widened to BF16 where the CPU has
+AVX512_BF16; the best of these by throughput is "the tuned llama.cpp plan"; and
 that plan without its prompt cache, for the cache's share. ``ratio`` is the tuned llama.cpp plan's
 throughput over the best transformers plan's.
 
@@ -51,6 +52,7 @@ def log(msg: str) -> None:
 
 def plans(*, sequential: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """(transformers plans, llama.cpp candidates with the prompt cache), by label."""
+    from fractal_opt.core.machine import cpu_flags
     from fractal_opt.runtimes.llama_cpp.process import NATIVE, executable_problem
     from fractal_opt.tower.plan import Plan
 
@@ -65,7 +67,12 @@ def plans(*, sequential: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     # (docs/runtimes.md), and a conversation is mostly prefill (a smoke run here: 4.6 vs 2.6 tok/s).
     candidates = {"llama_cpp wheel, Q8_0, flash attn, prompt cache": llama.replace_section("model", **q8)}
     if executable_problem(NATIVE) is None:
-        candidates["llama_cpp native, Q8_0, flash attn, prompt cache"] = llama.replace_section("hardware", runtime_path=NATIVE).replace_section("model", **q8)
+        native = llama.replace_section("hardware", runtime_path=NATIVE)
+        candidates["llama_cpp native, Q8_0, flash attn, prompt cache"] = native.replace_section("model", **q8)
+        # The GGUF widened to BF16: recipes/cpu-serving.yaml's pick under 8 chat clients on a CPU
+        # with AVX512_BF16, where only the native build has the BF16 dot-product kernels.
+        if "avx512_bf16" in cpu_flags():
+            candidates["llama_cpp native, BF16, flash attn, prompt cache"] = native.replace_section("hardware", dtype="bfloat16")
     else:
         log(f"no native llama-server candidate: {executable_problem(NATIVE)}")
     return tf, candidates
