@@ -37,7 +37,7 @@ from typing import Any
 from ..core.errors import RecipeError, closest
 from ..tower.plan import Plan
 from . import gen_config, llama_server, transformers_serve, vllm
-from .common import KINDS, Export, Where, changed, plan_fields, value
+from .common import KINDS, Export, Where, changed, in_use, plan_fields, value
 from .gen_config import generation_config
 
 __all__ = ["KINDS", "TARGETS", "Export", "Where", "export", "generation_config", "plan_fields", "table"]
@@ -80,7 +80,7 @@ def export(plan: Plan, target: str, *, passes: Sequence[Any] = (), model_path: s
     out = Export(target=target)
     where = Where(model=model_path or plan.source, host=host, port=port, threads=threads)
     reasons = _MODULES[target].build(plan, where, out)  # field -> why it does not carry, for this plan's value
-    for name in changed(base, plan):
+    for name in filter(functools.partial(in_use, plan), changed(base, plan)):
         kind, why = fields_of[name]
         if kind == "lost" or name in reasons:
             out.lost.append((name, value(plan, name), reasons.get(name, why)))

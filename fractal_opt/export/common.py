@@ -112,6 +112,16 @@ def plan_fields() -> list[str]:
     return out
 
 
+# Fields only padded static batches read (fractal_opt's server, :func:`~fractal_opt.serving.server.in_flight_limit`):
+# the batching pass sets them for continuous batching too, where no server uses them.
+STATIC_BATCH_ONLY = ("scheduling.batch_size", "scheduling.max_wait_ms")
+
+
+def in_use(plan: Plan, name: str) -> bool:
+    """False for a field the plan's own scheduling never reads (a static batch's size under continuous batching)."""
+    return name not in STATIC_BATCH_ONLY or plan.scheduling.batching == "static"
+
+
 def value(plan: Plan, name: str) -> Any:
     """The plan's value of ``name`` ("source" or "section.field")."""
     if "." not in name:

@@ -146,6 +146,19 @@ def test_lost_fields_say_why_and_name_the_kept_pass():
     assert "re-measure" in out.note and "transformers runtime" in out.note and "another runtime" in out.note
 
 
+@pytest.mark.parametrize("target", ["llama-server", "vllm"])
+def test_continuous_batching_carries_over_without_a_static_batch_note(target):
+    """A kept continuous-batching pass exports whole: the static batch's size it also sets is read by no server, so it is not listed as lost."""
+    from fractal_opt.layers import get_pass
+
+    batching = get_pass("batching").from_params({"mode": "continuous"})
+    plan = batching.apply(Plan(source="m").replace_section("hardware", runtime="llama_cpp")).with_applied(batching.name)
+    out = export(plan, target, passes=[batching])
+    assert not any(name.startswith("scheduling.batch_size") or name == "scheduling.max_wait_ms" for name, _, _ in out.lost), out.lost
+    static = get_pass("batching").from_params({"mode": "static"})
+    assert "scheduling.batch_size" in {name for name, _, _ in export(static.apply(Plan(source="m")), "llama-server").lost}
+
+
 def test_vllm_export_is_the_runtimes_own_engine_args():
     from fractal_opt.runtimes.vllm.engine_args import engine_args
 
