@@ -55,7 +55,7 @@ def answer_pairs(baseline: Mapping[str, Any], final: Mapping[str, Any]) -> list[
     verdict changed first, then changed workload answers, reworded eval answers, unchanged ones."""
     prompts = baseline.get("prompts") or {}
     base_answers, final_answers = baseline.get("answers") or {}, final.get("answers") or {}
-    pairs = [AnswerPair("workload", rid, prompts.get(rid, ""), text, final_answers.get(rid, ""))
+    pairs = [AnswerPair("workload", rid, _prompt(prompts, rid), text, final_answers.get(rid, ""))
              for rid, text in base_answers.items() if rid in final_answers]
     finals = {item["id"]: item for item in final.get("eval_items") or []}
     for item in baseline.get("eval_items") or []:
@@ -63,6 +63,12 @@ def answer_pairs(baseline: Mapping[str, Any], final: Mapping[str, Any]) -> list[
         if after is not None and item["answer"].strip() != after["answer"].strip():
             pairs.append(AnswerPair("eval", item["id"], item.get("question", ""), item["answer"], after["answer"], (item["passed"], after["passed"])))
     return sorted(pairs, key=lambda p: (not p.changed, p.passed is None or p.passed[0] == p.passed[1], p.kind != "workload"))
+
+
+def _prompt(prompts: Mapping[str, str], rid: str) -> str:
+    """The prompt of answer ``rid``: under a load profile an answer's id is its load item's, the
+    suite request's id plus ``#k`` (:class:`~fractal_opt.measure.load.LoadItem`), the prompts are the suite's."""
+    return prompts.get(rid) or prompts.get(rid.rpartition("#")[0] or rid, "")
 
 
 def _verdict(p: AnswerPair) -> str:

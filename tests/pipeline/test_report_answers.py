@@ -46,3 +46,10 @@ def test_report_md_html_and_terminal_show_both_answers():
 def test_no_baseline_no_section():
     """A trace without a baseline (a run that failed early) has no answers section."""
     assert answers_lines(SimpleNamespace(baseline=None, final={})) == [] and answers_html(SimpleNamespace(baseline=None, final={})) == ""
+
+
+def test_answers_served_under_a_load_profile_show_their_suite_prompt():
+    """Under a load profile an answer's id is its load item's (``short-1#0``): the side-by-side row still shows the suite's prompt."""
+    base = {"prompts": {"short-1": "What is photosynthesis?"}, "answers": {"short-1#0": "A process."}}
+    pairs = answer_pairs(base, {"answers": {"short-1#0": "A plant process."}})
+    assert [p.prompt for p in pairs] == ["What is photosynthesis?"]
