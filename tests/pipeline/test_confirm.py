@@ -381,6 +381,7 @@ def test_the_offered_load_is_the_plans_own_only_under_a_closed_load():
         LoadRounds(engine, closed, closed.requests(), clients=0)
 
 
+@pytest.mark.integration  # a whole run with a concurrency search and a confirmation at two loads: 5.4 s on 2 cores
 def test_a_run_whose_concurrency_pass_raised_the_load_confirms_at_both_loads(fake_model, tmp_path):
     """The pipeline end to end: static batching, then a concurrency limit of 4 under a closed load
     of 2 clients, both kept; the confirmation's headline is at 4 clients, the baseline's 2 beside it
