@@ -13,6 +13,7 @@ path additionally asks for ``n_probs: 1`` (token ids) and builds Generations.
 
     python benchmarks/llama_cpp_by_hand.py                 # 2 threads, 32 tokens, 3 rounds
     python benchmarks/llama_cpp_by_hand.py --threads 1 --rounds 5
+    python benchmarks/llama_cpp_by_hand.py --dtype bfloat16   # the GGUF widened to BF16, the quickstart's kept plan
 
 Prints decode tok/s and TTFT (medians over requests x rounds; TTFT for short and long prompts
 apart, since a median over both mixes two populations), the engine / hand ratios (of the medians,
@@ -78,6 +79,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default=None,
+                    help="the GGUF widened to this type (the copy the engine loads, e.g. the quickstart's kept BF16 plan); default: the embedded Q4_1")
     args = ap.parse_args()
 
     import xllamacpp
@@ -85,14 +88,13 @@ def main() -> int:
     from fractal_opt.runtimes.llama_cpp import LlamaCppEngine, clear_cache
     from fractal_opt.runtimes.llama_cpp.settings import describe
     from fractal_opt.tower.plan import HardwarePlan, Plan
-    from fractal_opt.weights.models import resolve
     from fractal_opt.workloads.workload import Workload
 
     print(f"xllamacpp {xllamacpp.__version__}, load average before: {os.getloadavg()}")
     requests = Workload(suite="default", max_new_tokens=args.tokens).requests()
-    gguf = str(resolve("smollm2-135m-instruct").path)
-    plan = Plan(source="smollm2-135m-instruct", hardware=HardwarePlan(runtime="llama_cpp", threads=args.threads))
+    plan = Plan(source="smollm2-135m-instruct", hardware=HardwarePlan(runtime="llama_cpp", threads=args.threads, **({"dtype": args.dtype} if args.dtype else {})))
     engine = LlamaCppEngine.build(plan, progress=lambda _: None, max_new_tokens=args.tokens)
+    gguf = engine.settings.model_path  # the file the engine serves: the embedded GGUF, or its widened copy
     samples: dict[str, list[tuple[str, float, float]]] = {"hand": [], "engine": []}  # (request id, ttft ms, tok/s)
 
     def run_hand(record: bool) -> None:
