@@ -30,7 +30,7 @@ from typing import Any
 from ..measure.metrics import METRICS
 from .confirm import drift
 
-__all__ = ["annotate", "split_objectives"]
+__all__ = ["annotate", "measured_alone", "split_objectives"]
 
 
 def split_objectives(kept: Sequence[Any], objective_of: Callable[[str], str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
@@ -57,11 +57,30 @@ def split_objectives(kept: Sequence[Any], objective_of: Callable[[str], str]) ->
     return required, traded
 
 
+def measured_alone(kept: Sequence[Any], traded: dict[str, dict[str, Any]], objective_of: Callable[[str], str]) -> list[str]:
+    """The traded objectives their own step measured one request at a time (its plan served one
+    request in flight): the confirmation measures those again one at a time. An objective kept
+    with requests in flight together (throughput under continuous batching) has no such figure to
+    hold the final plan to, and is only reported as traded. A step without a recorded plan counts
+    as one at a time."""
+    from ..serving.server import in_flight_limit
+    from ..tower.plan import Plan
+
+    out = []
+    for metric in traded:
+        own = next((s for s in reversed(kept) if objective_of(s.layer) == metric), None)
+        plan = getattr(own, "plan", None)
+        if own is not None and (not plan or in_flight_limit(Plan.from_dict(plan).scheduling) == 1):
+            out.append(metric)
+    return out
+
+
 def annotate(fields: dict[str, Any], *, kept: Sequence[Any], traded: dict[str, dict[str, Any]], objective_of: Callable[[str], str],
-             calibration: dict[str, Any], min_effect: float) -> None:
+             calibration: dict[str, Any], min_effect: float, alone: Sequence[str] | None = None) -> None:
     """Add to a confirmation's ``fields`` whether it agrees with the step that kept the final plan
     (``confirmation.drift``, :func:`~.confirm.drift`) and the objectives later steps traded
-    (``confirmation.traded``)."""
+    (``confirmation.traded``); ``alone`` (default: every traded one) are those measured again one
+    request at a time (:func:`measured_alone`)."""
     last = kept[-1]  # the step that kept the final plan
     objective = objective_of(last.layer)
     d = drift(fields, step=f"{last.layer}/{last.pass_name}", objective=objective, in_step=last.metrics.get(objective),
@@ -69,7 +88,9 @@ def annotate(fields: dict[str, Any], *, kept: Sequence[Any], traded: dict[str, d
     if d is not None:
         fields["confirmation"]["drift"] = d
     if traded:
-        fields["confirmation"]["traded"] = {m: {**t, **_alone(fields, m, kept, objective_of, calibration, min_effect)} for m, t in traded.items()}
+        again = set(traded if alone is None else alone)
+        fields["confirmation"]["traded"] = {m: {**t, **(_alone(fields, m, kept, objective_of, calibration, min_effect) if m in again else {})}
+                                            for m, t in traded.items()}
 
 
 def _alone(fields: dict[str, Any], metric: str, kept: Sequence[Any], objective_of: Callable[[str], str], calibration: dict[str, Any],

@@ -31,7 +31,7 @@ from ..workloads.workload import Request
 from . import confirm, records
 from .deadline import StepTimeout, WorkerAbandoned, checkpoint, run_with_deadline
 from .gate import PassSteps
-from .objectives import annotate, split_objectives
+from .objectives import annotate, measured_alone, split_objectives
 from .progress import Progress
 from .result import Result, write_run
 from .resume import MEASURER_STATE, Kept, RunJournal, check_out
@@ -318,11 +318,12 @@ class Pipeline:
             return
         objective_of = lambda layer: self.recipe.policy.objective_for(Layer.from_name(layer))  # noqa: E731
         objectives, traded = split_objectives(kept, objective_of)  # a later kept step may trade an earlier objective (.objectives)
+        alone = measured_alone(kept, traded, objective_of)
         self.progress("final: measuring the final plan against the baseline again, interleaved")
         try:
             fields = confirm.confirm(self._steps, baseline_plan=base, final_plan=final, build=lambda plan: self._build(plan, machine)[0],
-                                     objectives=objectives, weight_mb=(self._trace.baseline.metrics.get("weight_mb"), self.kept.weight_mb), alone=list(traded))
-            annotate(fields, kept=kept, traded=traded, objective_of=objective_of, calibration=self._trace.calibration, min_effect=self.recipe.policy.min_effect)
+                                     objectives=objectives, weight_mb=(self._trace.baseline.metrics.get("weight_mb"), self.kept.weight_mb), alone=alone)
+            annotate(fields, kept=kept, traded=traded, objective_of=objective_of, calibration=self._trace.calibration, min_effect=self.recipe.policy.min_effect, alone=alone)
         except (Exception, MemoryError) as e:  # the steps stand; only the final comparison is missing
             fields = confirm.failed(e)
             self.progress(f"final: the confirmation failed ({fields['confirmation']['error'][:120]})")
@@ -392,8 +393,7 @@ def optimize(recipe: Recipe | str | Path | dict, *, out: str | Path | None = Non
         >>> result.plan.hardware.runtime                                                 # doctest: +SKIP
     """
     quiet_third_party()  # load bars and import-time warnings would bury the progress line (as in the CLI)
-    return Pipeline(recipe, out_dir=out, progress=progress, stop_at_target=stop_at_target, wait_quiet=wait_quiet, resume=resume, force=force,
-                    runtimes=runtimes).run()
+    return Pipeline(recipe, out_dir=out, progress=progress, stop_at_target=stop_at_target, wait_quiet=wait_quiet, resume=resume, force=force, runtimes=runtimes).run()
 
 
 def _clip(text: str, width: int) -> str:  # a progress line stays one screen line; the whole reason is in the report

@@ -97,3 +97,30 @@ def test_a_traded_objective_measured_alone_carries_its_numbers_and_its_drift():
     line = traded_lines(fields["confirmation"])[0]
     assert "not required to beat the baseline at this load; one request at a time, medians 17.8 -> 54.8, paired estimate +207.0% [95%: +190.0%, +220.0%]: better" in line
     assert line.endswith("; -0.9% against its own step (hardware/runtime: 55.3), within the calibrated noise ±5.0%."), line
+
+
+def test_only_objectives_measured_one_at_a_time_in_their_step_are_measured_again_alone():
+    """Decode kept on a one-slot plan is held to one request at a time; throughput kept with 4 in flight
+    (continuous batching) and traded by a later cap is only reported: there is no one-at-a-time figure to hold it to."""
+    from fractal_opt.pipeline.objectives import measured_alone
+    from fractal_opt.tower.plan import Plan
+
+    one_slot = Plan(source="m").replace_section("hardware", runtime="llama_cpp")
+    batched = one_slot.replace_section("scheduling", batching="continuous", max_concurrency=4)
+    runtime = step("hardware", "runtime", {"decode_tokens_per_s": 5.0}, {"decode_tokens_per_s": 0.2})
+    runtime.plan = one_slot.to_dict()
+    batching = step("scheduling", "batching", {"decode_tokens_per_s": -0.7, "throughput_tokens_per_s": 0.13},
+                    {"decode_tokens_per_s": 0.05, "throughput_tokens_per_s": 0.1})
+    batching.plan = batched.to_dict()
+    cap = step("application", "max_new_tokens", {"throughput_tokens_per_s": -0.17, "e2e_ms": -0.06}, {"throughput_tokens_per_s": 0.05, "e2e_ms": 0.05})
+    cap.plan = batched.to_dict()
+    _, traded = split_objectives([runtime, batching, cap], OBJECTIVE)
+    assert set(traded) == {"decode_tokens_per_s", "throughput_tokens_per_s"}
+    assert measured_alone([runtime, batching, cap], traded, OBJECTIVE) == ["decode_tokens_per_s"]
+    entry = {"clients": 1, "headline": False, "status": "confirmed",
+             "metrics": {m: {"change": 1.0, "interval": [0.9, 1.1], "band": 0.05, "verdict": "better", "baseline_median": 10.0, "final_median": 20.0}
+                         for m in ("decode_tokens_per_s", "throughput_tokens_per_s")}}
+    fields = {"status": "confirmed", "confirmation": {"metrics": {}, "at_loads": [{"clients": 4, "headline": True, "metrics": {}}, entry]}}
+    annotate(fields, kept=[runtime, batching, cap], traded=traded, objective_of=OBJECTIVE, calibration={"resolution": {}}, min_effect=0.05,
+             alone=["decode_tokens_per_s"])
+    assert "alone" in fields["confirmation"]["traded"]["decode_tokens_per_s"] and "alone" not in fields["confirmation"]["traded"]["throughput_tokens_per_s"]
