@@ -13,7 +13,7 @@ built it; vLLM when ``make setup-vllm`` made its environment and ``--vllm`` is g
 takes a minute or more). Each runtime declares ``batch_invariant`` in its capabilities table
 (``fractal-opt passes --json``); this prints the declaration next to the measurement.
 
-    python benchmarks/batch_invariance.py            # about 3 minutes on 2 cores
+    python benchmarks/batch_invariance.py            # about 2.5 minutes on 2 cores (6 with --vllm)
     python benchmarks/batch_invariance.py --json     # one JSON object on stdout
 """
 

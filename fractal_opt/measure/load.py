@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ..serving.server import Server, Ticket
     from ..workloads.workload import LoadProfile, Request
 
-__all__ = ["LoadItem", "LoadRecord", "LoadResult", "build_items", "run_load"]
+__all__ = ["LoadItem", "LoadRecord", "LoadResult", "build_items", "item_id", "request_id", "run_load"]
 
 @dataclass(frozen=True)
 class LoadItem:
@@ -153,6 +153,17 @@ class LoadResult:
         return out
 
 
+def item_id(request_id: str, k: int) -> str:
+    """The id of a load's ``k``-th item, the suite request ``request_id`` sent again (unique within the load)."""
+    return f"{request_id}#{k}"
+
+
+def request_id(item: str) -> str:
+    """The suite request an item id (:func:`item_id`) names; an id without ``#k`` names itself."""
+    head, sep, _ = item.rpartition("#")
+    return head if sep else item
+
+
 def build_items(requests: Sequence[Request], profile: LoadProfile, *, default_tokens: int) -> list[LoadItem]:
     """The requests of one load: the suite cycled to ``profile.requests`` items, each with a
     token budget drawn (seeded) from ``profile.output_tokens``."""
@@ -164,7 +175,7 @@ def build_items(requests: Sequence[Request], profile: LoadProfile, *, default_to
     for k in range(n):
         budget = rng.choice(profile.output_tokens) if profile.output_tokens else default_tokens
         req = requests[k % len(requests)]
-        items.append(LoadItem(id=f"{req.id}#{k}", request=req, max_new_tokens=budget))
+        items.append(LoadItem(id=item_id(req.id, k), request=req, max_new_tokens=budget))
     return items
 
 

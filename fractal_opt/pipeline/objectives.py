@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..measure.metrics import METRICS
+from ..serving.server import in_flight_limit
+from ..tower.plan import Plan
 from .confirm import drift
 
 __all__ = ["annotate", "measured_alone", "split_objectives"]
@@ -63,9 +65,6 @@ def measured_alone(kept: Sequence[Any], traded: dict[str, dict[str, Any]], objec
     with requests in flight together (throughput under continuous batching) has no such figure to
     hold the final plan to, and is only reported as traded. A step without a recorded plan counts
     as one at a time."""
-    from ..serving.server import in_flight_limit
-    from ..tower.plan import Plan
-
     out = []
     for metric in traded:
         own = next((s for s in reversed(kept) if objective_of(s.layer) == metric), None)

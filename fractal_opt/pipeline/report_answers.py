@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.text import clip
+from ..measure.load import request_id
 
 __all__ = ["AnswerPair", "answer_pairs", "answers_html", "answers_lines", "answers_text", "final_quality"]
 
@@ -66,9 +67,9 @@ def answer_pairs(baseline: Mapping[str, Any], final: Mapping[str, Any]) -> list[
 
 
 def _prompt(prompts: Mapping[str, str], rid: str) -> str:
-    """The prompt of answer ``rid``: under a load profile an answer's id is its load item's, the
-    suite request's id plus ``#k`` (:class:`~fractal_opt.measure.load.LoadItem`), the prompts are the suite's."""
-    return prompts.get(rid) or prompts.get(rid.rpartition("#")[0] or rid, "")
+    """The prompt of answer ``rid``: under a load profile an answer's id is its load item's
+    (:func:`~fractal_opt.measure.load.item_id`), the prompts are the suite requests'."""
+    return prompts.get(rid) or prompts.get(request_id(rid), "")
 
 
 def _verdict(p: AnswerPair) -> str:

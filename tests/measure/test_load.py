@@ -196,3 +196,11 @@ def test_slo_must_be_positive():
 
     with pytest.raises(RecipeError, match="'slo_ttft_ms': got 0"):
         LoadProfile(slo_ttft_ms=0)
+
+
+def test_an_items_id_names_its_suite_request():
+    """A load sends a suite request many times as items short-1#0, short-1#4, ...; each names its request, ids with a # of their own too."""
+    from fractal_opt.measure.load import item_id, request_id
+
+    assert [request_id(item_id(rid, k)) for rid, k in (("short-1", 0), ("short-1", 4), ("q#2", 1))] == ["short-1", "short-1", "q#2"]
+    assert request_id("short-1") == "short-1"
