@@ -51,7 +51,7 @@ class CapacityRounds:
             return run_load(server, build_items(self.requests, profile, default_tokens=tokens), profile)
 
     def warm_up(self) -> None:
-        warm = dataclasses.replace(self.profile, turns=1, think_s=0.0, mode="closed" if self.profile.mode == "poisson" else self.profile.mode)
+        warm = dataclasses.replace(self.profile, turns=1, think_s=0.0, warm_start=False, mode="closed" if self.profile.mode == "poisson" else self.profile.mode)
         self._serve(warm, tokens=min(_WARMUP_TOKENS, self.workload.max_new_tokens), session="warm-up")
 
     def serve(self, repeat: int) -> Any:

@@ -10,7 +10,11 @@ are never sent, and the records say so by their absence, not by a fabricated res
 
 Each round's users are new users: with ``session`` set, a user's first message starts with
 ``[session S, user U]`` so no round finds another round's conversations in a prefix cache; the
-shared system prompt is what stays cached across rounds, as it would in production.
+shared system prompt is what may stay cached, as it would in production. With the profile's
+``warm_start``, the replay is preceded by an untimed first turn per user (session ``warm S``, one
+token each) on the same server, so the timed turns start on a cache that holds the system prompt,
+as a running deployment's does, whatever the server held before (a measurement may have started
+it afresh).
 
 :func:`by_turn` turns the records into the per-turn table: TTFT, prompt tokens, the tokens the
 runtime reported served from its cache and the tokens it had to prefill, by turn index (turn 4's
@@ -56,6 +60,8 @@ def run_conversations(server: Server, conversations: Sequence[Conversation], pro
     if not conversations:
         raise EngineError("a conversations load needs at least one conversation in the workload suite")
     n_users = users or profile.users
+    if profile.warm_start:
+        _prime(server, conversations, profile, users=n_users, session=session)
     records: list[list[LoadRecord]] = [[] for _ in range(n_users)]
     t0 = time.perf_counter()
     threads = [threading.Thread(target=_user, args=(server, conversations[u % len(conversations)], u, profile, max_new_tokens, session, records[u]),
@@ -67,6 +73,17 @@ def run_conversations(server: Server, conversations: Sequence[Conversation], pro
     flat = [r for user_records in records for r in user_records]
     end = max((r.t_end for r in flat), default=t0)
     return LoadResult(records=flat, wall_s=end - t0, slos=profile.slos())
+
+
+def _prime(server: Server, conversations: Sequence[Conversation], profile: LoadProfile, *, users: int, session: int | str | None) -> None:
+    """Untimed: every user's first turn, one token each, as other users (session ``warm S``), so the
+    timed turns find the shared system prompt in the server's prompt cache (``warm_start``)."""
+    primer = dataclasses.replace(profile, turns=1, think_s=0.0, warm_start=False)
+    result = run_conversations(server, conversations, primer, max_new_tokens=1, users=users, session=f"warm {session}")
+    failed = [rec for rec in result.records if rec.status != "done"]
+    if failed:
+        raise EngineError(f"{len(failed)} of {len(result.records)} untimed first turns that warm the prompt cache (warm_start) did not finish: "
+                          f"{failed[0].status} {failed[0].error or ''}".rstrip())
 
 
 def _user(server: Server, conv: Conversation, user: int, profile: LoadProfile, max_new_tokens: int, session: int | str | None, out: list[LoadRecord]) -> None:

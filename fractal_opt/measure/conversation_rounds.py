@@ -48,7 +48,7 @@ class ConversationRounds:
         self._last_records = 0  # how many of ``records`` the last round added (forget_round drops them)
 
     def warm_up(self) -> None:
-        warm = dataclasses.replace(self.profile, turns=1, think_s=0.0)
+        warm = dataclasses.replace(self.profile, turns=1, think_s=0.0, warm_start=False)
         with self.engine.server(seed=self.workload.seed, ignore_eos=self.profile.ignore_eos) as server:
             run_conversations(server, self.conversations, warm, max_new_tokens=min(_WARMUP_TOKENS, self.workload.max_new_tokens), session=0)
 

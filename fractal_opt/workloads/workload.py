@@ -178,6 +178,11 @@ class LoadProfile:
             all of its turns), the mean think time between a user's turns (exponential, seeded; 0 =
             none), and what goes into the history: ``model`` (the runtime's own answers) or
             ``reference`` (the suite's recorded answers: every plan sees the same prompts).
+        warm_start: the ``conversations`` mode: each round (and capacity probe) starts on a server
+            that has already served the shared system prompt, as a deployment's running server
+            has: one untimed first turn per user (other users, one token each) before the timed
+            turns. False: none; turn 1 finds only what the server kept from before (after a
+            start or a reload: nothing, so every user pays the system prompt's prefill).
         capacity: measure the capacity under the SLOs in every round (the ``capacity`` metric):
             the highest offered load (``rate`` for poisson, ``users`` for conversations,
             ``concurrency`` for closed) at which every SLO holds at ``slo_percentile`` and under 1%
@@ -204,6 +209,7 @@ class LoadProfile:
     turns: int | None = None
     think_s: float = 0.0
     history: Literal["model", "reference"] = "model"
+    warm_start: bool = False
     capacity: bool = False
     capacity_max: float = 256.0
     capacity_resolution: float = 0.1

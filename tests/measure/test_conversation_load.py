@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fractal_opt.core.errors import RecipeError
+from fractal_opt.core.errors import EngineError, RecipeError
 from fractal_opt.measure.conversation_load import by_turn, run_conversations
 from fractal_opt.measure.load import LoadRecord
 from fractal_opt.runtimes import Engine
@@ -96,3 +96,32 @@ def test_profile_refuses_bad_conversation_keys():
         LoadProfile(mode="conversations", users=0, think_s=-1)
     with pytest.raises(RecipeError, match=r"'capacity': true needs at least one SLO"):
         LoadProfile(mode="conversations", capacity=True)
+
+
+def test_warm_start_primes_every_user_before_the_timed_turns(tiny_dir):
+    """warm_start: one untimed first turn per user (other users, one token) goes first; only the timed turns are recorded."""
+    engine = _engine(tiny_dir)
+    profile = LoadProfile(mode="conversations", users=2, turns=2, warm_start=True)
+    with engine.server() as server:
+        sent = _recording(server)
+        result = run_conversations(server, [CONV], profile, max_new_tokens=2, session=1)
+    firsts = [req.messages[-1][1] for req in sent[:2]]
+    assert sorted(firsts) == ["[session warm 1, user 1] first question", "[session warm 1, user 2] first question"]
+    assert len(sent) == 2 + 4 and len(result.records) == 4  # 2 primers, then 2 users x 2 timed turns
+    assert {r.id for r in result.records} == {"c/u1/t1", "c/u1/t2", "c/u2/t1", "c/u2/t2"}
+    assert all(r.messages[0] == ("system", "You are terse.") for r in sent)  # the primers share the system prompt
+
+
+def test_a_failed_primer_is_an_error_not_a_cold_round():
+    """A warm_start whose untimed turns do not finish raises, instead of timing a round that started cold."""
+
+    class Refusing:
+        def submit(self, request, **kwargs):
+            from fractal_opt.serving.ticket import Ticket
+
+            t = Ticket(request, max_new_tokens=1, timeout_s=None, streaming=True)
+            t.status, t.t_end = "rejected", t.t_submit
+            return t
+
+    with pytest.raises(EngineError, match="warm_start"):
+        run_conversations(Refusing(), [CONV], LoadProfile(mode="conversations", users=2, warm_start=True), max_new_tokens=2)
