@@ -234,11 +234,15 @@ def _closed_loop(send: Callable[[int], Ticket], n: int, clients: int) -> None:
 
     def client() -> None:
         while True:
+            # Take the next item and submit it in one step (submit only queues): the server gets a
+            # burst in the suite's order whichever client thread runs first, so a request's wait
+            # behind the others (in its TTFT and e2e) is the same in every round and pairs.
             with lock:
                 i = next(counter, None)
-            if i is None:
-                return
-            _wait(send(i))
+                if i is None:
+                    return
+                ticket = send(i)
+            _wait(ticket)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(min(clients, n))]
     for t in threads:

@@ -204,3 +204,33 @@ def test_an_items_id_names_its_suite_request():
 
     assert [request_id(item_id(rid, k)) for rid, k in (("short-1", 0), ("short-1", 4), ("q#2", 1))] == ["short-1", "short-1", "q#2"]
     assert request_id("short-1") == "short-1"
+
+
+def test_a_closed_burst_reaches_the_server_in_the_suites_order():
+    """Closed loop: the server queues the items in order whichever client thread runs first, so a
+    request's place in the burst (its wait, in TTFT and e2e) is the same in every round."""
+    import random
+    import threading
+    import time
+
+    from fractal_opt.serving.ticket import Ticket
+
+    class Recording:
+        """A server that takes a random moment to queue each request (as thread scheduling may) and refuses it."""
+
+        def __init__(self):
+            self.order, self.lock, self.rng = [], threading.Lock(), random.Random(0)
+
+        def submit(self, request, **kwargs):
+            time.sleep(self.rng.uniform(0, 0.003))
+            with self.lock:
+                self.order.append(request.id)
+            t = Ticket(request, max_new_tokens=1, timeout_s=None, streaming=True)
+            t.status, t.t_end = "rejected", t.t_submit
+            return t
+
+    items = build_items(Workload(suite="default").requests(), LoadProfile(mode="closed", concurrency=6, requests=6), default_tokens=2)
+    for _ in range(5):
+        server = Recording()
+        run_load(server, items, LoadProfile(mode="closed", concurrency=6, requests=6))
+        assert server.order == [it.request.id for it in items]
