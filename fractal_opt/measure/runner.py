@@ -224,6 +224,7 @@ def measure_pair(
     warm_previous: bool = True,
     progress: Callable[[str], None] | None = None,
     clients: int | None = None,
+    min_repeats: int | None = None,
 ) -> tuple[Measurement, Measurement]:
     """Measure two engines interleaved, round by round, so drift hits both alike.
 
@@ -234,6 +235,8 @@ def measure_pair(
     :func:`~fractal_opt.measure.noise.settled`, up to ``workload.max_repeats``. ``previous`` may be
     the same engine as ``candidate`` (the A/A calibration). ``clients`` offers both the same load
     under a load profile (default: each its plan's own, :func:`.rounds.offered_clients`).
+    ``min_repeats`` (below ``workload.repeats``): a comparison that judges ``objective`` alone may
+    stop after that many rounds (one A B / B A pair) when its interval is already settled there.
     """
     from .noise import settled
 
@@ -243,8 +246,9 @@ def measure_pair(
         a.warm_up()
     b.warm_up()
     budget = max(workload.repeats, getattr(workload, "max_repeats", None) or workload.repeats)
+    early = min(min_repeats or workload.repeats, workload.repeats)
     for r in range(budget):
-        if r >= workload.repeats and (r - workload.repeats) % 2 == 0:
+        if r == early < workload.repeats or (r >= workload.repeats and (r - workload.repeats) % 2 == 0):
             interval = paired_changes(a.result(), b.result(), [objective]).get(objective)
             if settled(interval, min_effect=min_effect):
                 break

@@ -29,7 +29,8 @@ An objective a later kept step traded (:mod:`.objectives`: continuous batching s
 each stream of a burst decodes slower) is measured where the step that kept it measured it: when
 the headline load holds more than one request in flight, both plans are served again one request
 at a time (1 client, ``at_loads`` labelled "at 1 client"), and the traded objective must improve
-there, or the final is not confirmed.
+there, or the final is not confirmed. That comparison judges the traded objective alone, so it
+stops after one A B / B A pair of rounds when that objective's interval is settled there.
 
 When the two plans do not fit in memory together (the step measurer's own rule), they are measured
 one after the other instead, and the band includes twice the calibration's A/A drift, as a
@@ -109,12 +110,14 @@ def confirm(
     """
     objectives = list(dict.fromkeys(objectives))
     objective = objectives[-1] if objectives else "decode_tokens_per_s"
-    entries = offered_entries(offered_loads(steps.workload, baseline_plan, final_plan), objectives, alone)
+    offered = offered_loads(steps.workload, baseline_plan, final_plan)
+    entries = offered_entries(offered, objectives, alone)
     loads = [clients for clients, _, _ in entries]
     clock = _Clock()
     mode = steps.before_build(baseline_plan, final_plan)  # keeps the final plan's engine resident when both fit
     if mode == "interleaved":
-        pairs = _interleaved(steps, baseline_plan, final_plan, build, loads, objective=objective, label=label, clock=clock)
+        pairs = _interleaved(steps, baseline_plan, final_plan, build, entries, objective=objective, traded=len(entries) > len(offered),
+                             label=label, clock=clock)
         drift: Mapping[str, float] = {}
         note = "baseline and final plan measured again after the last step, interleaved (A B / B A)"
     else:
@@ -213,16 +216,22 @@ class _Clock:
         return {"build_s": round(self.build_s, 2), "measure_s": round(self.measure_s, 2)}
 
 
-def _interleaved(steps: StepMeasurer, baseline_plan: Plan, final_plan: Plan, build: Callable[[Plan], Engine], loads: list[int | None], *,
-                 objective: str, label: str, clock: _Clock) -> list[tuple[Measurement, Measurement]]:
-    """Both plans resident, measured in the same rounds (A B / B A) at each offered load in turn."""
+def _interleaved(steps: StepMeasurer, baseline_plan: Plan, final_plan: Plan, build: Callable[[Plan], Engine], entries: Sequence[tuple], *,
+                 objective: str, traded: bool, label: str, clock: _Clock) -> list[tuple[Measurement, Measurement]]:
+    """Both plans resident, measured in the same rounds (A B / B A) at each offered load in turn.
+    ``traded``: the last entry is the one-request-at-a-time check of traded objectives, which
+    judges its own objective only, so it stops after one A B / B A pair when that one is settled."""
     final_engine = steps.previous if steps.previous is not None else clock.build(build, final_plan)
     steps.say(f"{label}: loading the baseline again")
     base_engine = clock.build(build, baseline_plan)
     try:
-        return [clock.measure(measure_pair, base_engine, final_engine, steps.workload, requests=steps.requests, objective=objective,
-                              min_effect=steps.min_effect, warm_previous=True, progress=_progress(steps, label, clients, len(loads)), clients=clients)
-                for clients in loads]
+        out = []
+        for i, (clients, _, objs) in enumerate(entries):
+            alone = traded and i == len(entries) - 1
+            out.append(clock.measure(measure_pair, base_engine, final_engine, steps.workload, requests=steps.requests, objective=objs[-1] if alone else objective,
+                                     min_effect=steps.min_effect, warm_previous=True, progress=_progress(steps, label, clients, len(entries)),
+                                     clients=clients, min_repeats=2 if alone else None))
+        return out
     finally:
         if base_engine is not final_engine:
             base_engine.close()

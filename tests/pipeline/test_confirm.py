@@ -254,10 +254,10 @@ class LoadEngine(FakeEngine):
         return _Counting(self, seed=seed, ignore_eos=ignore_eos)
 
 
-def _confirm_under_load(final_plan, *, mode="interleaved", alone=()):
+def _confirm_under_load(final_plan, *, mode="interleaved", alone=(), repeats=2):
     """``confirm()`` of the fake baseline against ``final_plan`` under a closed load of 2 clients;
     the fields and the two engines built (baseline, final)."""
-    workload = Workload(suite="default", limit=3, max_new_tokens=6, repeats=2, warmup=1, load={"mode": "closed", "concurrency": 2, "requests": 4})
+    workload = Workload(suite="default", limit=3, max_new_tokens=6, repeats=repeats, warmup=1, load={"mode": "closed", "concurrency": 2, "requests": 4})
     factory = LoadEngine.factory(per_token_ms=5.0, speed={"scheduling.max_concurrency": {4: 2.0}, "hardware.dtype": {"bfloat16": 2.0}})
     built: dict[str, LoadEngine] = {}
 
@@ -325,6 +325,16 @@ def test_a_traded_objective_is_measured_again_one_request_at_a_time():
     assert built["baseline"].peaks == [2, 2, 2, 1, 1, 1] and built["final"].peaks == [2, 2, 2, 1, 1, 1]
     assert fields["status"] == "confirmed" and conf["at_loads"][1]["status"] == "confirmed"
     assert conf["at_loads"][1]["metrics"]["decode_tokens_per_s"]["change"] == pytest.approx(1.0, abs=0.15)
+
+
+def test_the_one_request_check_stops_after_a_pair_of_rounds_once_its_objective_is_settled():
+    """The one-request comparison judges the traded objective alone: with a planted 2x it is
+    settled after one A B / B A pair, so it stops there, where the headline runs all 3 rounds."""
+    fields, built = _confirm_under_load(Plan(source="fake").replace_section("hardware", dtype="bfloat16"), alone=["decode_tokens_per_s"], repeats=3)
+    conf = fields["confirmation"]
+    assert built["baseline"].peaks == [2, 2, 2, 2, 1, 1, 1] and built["final"].peaks == [2, 2, 2, 2, 1, 1, 1]  # warm-up + 3, warm-up + 2
+    assert [e["rounds"] for e in conf["at_loads"]] == [3, 2]
+    assert conf["at_loads"][1]["status"] == "confirmed"
 
 
 def test_a_traded_objective_that_does_not_hold_alone_leaves_the_final_unconfirmed():
