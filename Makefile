@@ -46,9 +46,12 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
-# The unit part: what runs in under 2 minutes on 2 cores (tests/README.md says what is integration).
+# The unit part: what runs in under 2 minutes on 2 cores (tests/README.md says what is integration),
+# one pytest-xdist worker per core: most of a unit test's time is waiting (fake engines' planted
+# per-token sleeps, servers' threads), so two workers halve the wall time on 2 cores. make test
+# stays serial: its integration tests time real engines and must not share the cores.
 test-unit: setup
-	$(PY) -m pytest -q -m "not integration"
+	$(PY) -m pytest -q -m "not integration" -n auto
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache
