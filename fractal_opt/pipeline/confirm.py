@@ -115,16 +115,8 @@ def confirm(
     loads = [clients for clients, _, _ in entries]
     clock = _Clock()
     mode = steps.before_build(baseline_plan, final_plan)  # keeps the final plan's engine resident when both fit
-    if mode == "interleaved":
-        pairs = _interleaved(steps, baseline_plan, final_plan, build, entries, objective=objective, traded=len(entries) > len(offered),
-                             label=label, clock=clock)
-        drift: Mapping[str, float] = {}
-        note = "baseline and final plan measured again after the last step, interleaved (A B / B A)"
-    else:
-        pairs = _back_to_back(steps, baseline_plan, final_plan, build, loads, label=label, clock=clock)
-        drift = steps.calibration
-        note = ("baseline and final plan did not fit in memory together: measured again one after the other; "
-                "the band includes 2 x the A/A drift")
+    pairs, drift, note = _measure(steps, mode, baseline_plan, final_plan, build, entries, objective=objective,
+                                  traded=len(entries) > len(offered), label=label, clock=clock)
     same = {"mode": mode, "min_effect": steps.min_effect, "drift": drift, "weight_mb": weight_mb}
     labelled = len(loads) > 1  # one load: the note is as it always was
     fields = [record(before, after, note=note + (_at(clients, whose) if labelled else ""), objectives=objs, **same)
@@ -214,6 +206,19 @@ class _Clock:
 
     def timings(self) -> dict[str, float]:
         return {"build_s": round(self.build_s, 2), "measure_s": round(self.measure_s, 2)}
+
+
+def _measure(steps: StepMeasurer, mode: str, baseline_plan: Plan, final_plan: Plan, build: Callable[[Plan], Engine], entries: Sequence[tuple], *,
+             objective: str, traded: bool, label: str, clock: _Clock) -> tuple[list[tuple[Measurement, Measurement]], Mapping[str, float], str]:
+    """Both plans at every entry's load, interleaved or (when they do not fit together) back to
+    back: the (before, after) pairs, the drift the band adds, and the note saying which."""
+    if mode == "interleaved":
+        pairs = _interleaved(steps, baseline_plan, final_plan, build, entries, objective=objective, traded=traded, label=label, clock=clock)
+        return pairs, {}, "baseline and final plan measured again after the last step, interleaved (A B / B A)"
+    loads = [clients for clients, _, _ in entries]
+    pairs = _back_to_back(steps, baseline_plan, final_plan, build, loads, label=label, clock=clock)
+    return pairs, steps.calibration, ("baseline and final plan did not fit in memory together: measured again one after the other; "
+                                      "the band includes 2 x the A/A drift")
 
 
 def _interleaved(steps: StepMeasurer, baseline_plan: Plan, final_plan: Plan, build: Callable[[Plan], Engine], entries: Sequence[tuple], *,
