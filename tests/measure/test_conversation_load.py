@@ -20,6 +20,17 @@ def _engine(model_dir) -> Engine:
     return Engine.build(Plan(source=str(model_dir), scheduling=SchedulingPlan(batching="continuous", max_concurrency=4)), progress=lambda m: None)
 
 
+class _Refusing:
+    """A server whose every ticket ends rejected."""
+
+    def submit(self, request, **kwargs):
+        from fractal_opt.serving.ticket import Ticket
+
+        t = Ticket(request, max_new_tokens=kwargs.get("max_new_tokens") or 1, timeout_s=None, streaming=True)
+        t.status, t.t_end = "rejected", t.t_submit
+        return t
+
+
 def _recording(server):
     """The server with every submitted request kept in order (to read what each turn sent)."""
     sent = []
@@ -63,18 +74,7 @@ def test_reference_history_replays_the_recorded_answers_and_sessions_tag_first_m
 
 def test_a_failed_turn_ends_its_users_conversation():
     """A turn that did not finish is recorded, and the user sends no further turn on a missing answer."""
-
-    class Refusing:
-        """A server whose every ticket ends rejected."""
-
-        def submit(self, request, **kwargs):
-            from fractal_opt.serving.ticket import Ticket
-
-            t = Ticket(request, max_new_tokens=2, timeout_s=None, streaming=True)
-            t.status, t.t_end = "rejected", t.t_submit
-            return t
-
-    result = run_conversations(Refusing(), [CONV], LoadProfile(mode="conversations", users=3), max_new_tokens=2)
+    result = run_conversations(_Refusing(), [CONV], LoadProfile(mode="conversations", users=3), max_new_tokens=2)
     assert [(r.user, r.turn, r.status) for r in sorted(result.records, key=lambda r: r.user)] == [(0, 1, "rejected"), (1, 1, "rejected"), (2, 1, "rejected")]
 
 
@@ -114,14 +114,5 @@ def test_warm_start_primes_every_user_before_the_timed_turns(tiny_dir):
 
 def test_a_failed_primer_is_an_error_not_a_cold_round():
     """A warm_start whose untimed turns do not finish raises, instead of timing a round that started cold."""
-
-    class Refusing:
-        def submit(self, request, **kwargs):
-            from fractal_opt.serving.ticket import Ticket
-
-            t = Ticket(request, max_new_tokens=1, timeout_s=None, streaming=True)
-            t.status, t.t_end = "rejected", t.t_submit
-            return t
-
     with pytest.raises(EngineError, match="warm_start"):
-        run_conversations(Refusing(), [CONV], LoadProfile(mode="conversations", users=2, warm_start=True), max_new_tokens=2)
+        run_conversations(_Refusing(), [CONV], LoadProfile(mode="conversations", users=2, warm_start=True), max_new_tokens=2)
