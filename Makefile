@@ -9,7 +9,7 @@ OUT ?= fractal-out
 
 .PHONY: setup setup-vllm setup-llama-native demo test test-unit clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/install-llama-convert.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(PIP_EXTRA) "$(TORCH_SPEC)"
@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml Makefile
 	# a first quantize step or test. Without a C++ compiler quanto's 4-bit backend stays unusable.
 	$(PY) -c "from optimum.quanto.library.extensions import get_extension; get_extension('quanto_cpp').lib" >/dev/null 2>&1 \
 		|| echo "setup: optimum-quanto's C++ kernel did not compile (needs a C++ compiler): its 4-bit backend will fail"
+	# llama.cpp's own converter (pure Python, from the xllamacpp sdist): a model folder reaches the
+	# llama_cpp runtime as a GGUF (fractal_opt/weights/convert.py). About 10 s; not fatal offline.
+	PY=$(PY) bash scripts/install-llama-convert.sh \
+		|| echo "setup: llama.cpp's converter is not installed: model folders cannot use the llama_cpp runtime"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -34,8 +38,9 @@ setup: $(STAMP)
 setup-vllm:
 	bash scripts/setup-vllm.sh
 
-# Optional: llama.cpp's llama-server built for this CPU (AVX-512 where it has it; the xllamacpp wheel
-# is built for AVX2), for the llama_cpp runtime's `runtime_path: native`. About 5 minutes on 2 cores
+# Optional: llama.cpp's llama-server, llama-quantize and rpc-server built for this CPU (AVX-512 where
+# it has it; the xllamacpp wheel is built for AVX2): the llama_cpp runtime's `runtime_path: native`,
+# the GGUF weight ladder's K-quants, and a model split over RPC. About 6 minutes on 2 cores
 # (scripts/build-llama-server.sh; needs cmake and a C++ compiler).
 setup-llama-native: setup
 	bash scripts/build-llama-server.sh

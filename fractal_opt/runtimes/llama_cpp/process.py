@@ -27,21 +27,19 @@ child that dies is started again, within bounds, and :meth:`LlamaServerProcess.h
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import json
 import os
-import platform
-import re
 import secrets
 import subprocess
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ...core.errors import EngineError
+from ...weights.llama_tools import cpu_tag, native_tool
 from ..child_process import ServerProcess, Supervised, free_port
 
 __all__ = ["NATIVE", "LlamaServerProcess", "command", "cpu_tag", "executable_problem", "native_executable", "resolve_executable"]
@@ -59,32 +57,7 @@ def native_executable() -> Path:
     ``cache_dir()/llama-native/<xllamacpp version>/<cpu_tag()>/llama-server`` (the sources are that
     version's; the build uses this CPU's instructions, so another CPU gets a build of its own
     rather than one that dies of an illegal instruction when a cache directory is shared)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from ...weights.models import cache_dir
-
-    try:
-        tag = version("xllamacpp")
-    except PackageNotFoundError:
-        tag = "unknown"
-    return cache_dir() / "llama-native" / tag / cpu_tag() / "llama-server"
-
-
-# The CPU flags (Linux /proc/cpuinfo names) that decide what GGML_NATIVE=ON (-march=native) may
-# emit: vector and bit-manipulation extensions. Others (vulnerabilities, "hypervisor", power
-# management) differ between hosts of one CPU model and do not change the code.
-_ISA_FLAG = re.compile(r"^(sse\w*|ssse3|pni|avx\w*|fma\w*|f16c|bmi\d|amx\w*|\w*vnni\w*|popcnt|movbe|abm|adx|aes|vaes|pclmulqdq|vpclmulqdq|gfni|sha_ni|xsave\w*)$")
-
-
-def cpu_tag(flags: Iterable[str] | None = None) -> str:
-    """A short name for this CPU's instruction set: the machine type and a hash of its ISA flags
-    (e.g. ``x86_64-3f9c1a2b``). ``flags``: the CPU's feature flags (:func:`fractal_opt.core.machine.cpu_flags`
-    when None); without any (not Linux) the hash is of the processor's name."""
-    from ...core.machine import cpu_flags
-
-    isa = sorted(f for f in (cpu_flags() if flags is None else flags) if _ISA_FLAG.match(f))
-    basis = " ".join(isa) if isa else platform.processor()
-    return f"{platform.machine() or 'cpu'}-{hashlib.sha1(basis.encode()).hexdigest()[:8]}"
+    return native_tool("llama-server")
 
 
 def resolve_executable(path: str) -> Path:
