@@ -140,7 +140,7 @@ def main() -> int:
     args = parser.parse_args()
     from importlib.metadata import version
 
-    from fractal_opt.runtimes.llama_cpp.requantize import requantize
+    from fractal_opt.weights.gguf_rewrite import requantize
     from fractal_opt.weights.models import resolve
 
     start = os.getloadavg()

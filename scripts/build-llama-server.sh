@@ -16,7 +16,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
-TOOLS=(llama-server llama-quantize rpc-server)
+TOOLS=(llama-server llama-quantize rpc-server)  # the names they are installed under
+TARGETS=(llama-server llama-quantize ggml-rpc-server)  # llama.cpp's CMake targets (and binaries) for them, in the same order
 
 bash scripts/install-llama-convert.sh
 dest="$("$PY" -c 'from fractal_opt.weights.llama_tools import native_dir; print(native_dir())')"
@@ -73,7 +74,7 @@ cmake -S "$src" -B "$work/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -D
 grep -h "CPU backend variant" "$work/configure.log" || true
 echo "build-llama-server: compiling ${TOOLS[*]} on $(nproc) cores (about 6 minutes on 2)"
 start=$(date +%s)
-cmake --build "$work/build" --parallel "$(nproc)" --target "${TOOLS[@]}" > "$work/build.log" 2>&1 \
+cmake --build "$work/build" --parallel "$(nproc)" --target "${TARGETS[@]}" > "$work/build.log" 2>&1 \
     || { tail -30 "$work/build.log" >&2; exit 1; }
 # The build must serve before it is installed: one short completion on the embedded GGUF. A binary
 # that dies on this CPU (an instruction the machine lists but does not run) is not installed, so
@@ -102,9 +103,9 @@ finally:
     proc.kill()
 SMOKE
 mkdir -p "$dest"
-for tool in "${TOOLS[@]}"; do
-    cp "$work/build/bin/$tool" "$dest/$tool.tmp"
-    mv "$dest/$tool.tmp" "$dest/$tool"
+for i in "${!TOOLS[@]}"; do
+    cp "$work/build/bin/${TARGETS[$i]}" "$dest/${TOOLS[$i]}.tmp"
+    mv "$dest/${TOOLS[$i]}.tmp" "$dest/${TOOLS[$i]}"
 done
 echo "build-llama-server: built ${TOOLS[*]} in $dest in $(( $(date +%s) - start )) s"
 "$target" --version 2>&1 | tail -2

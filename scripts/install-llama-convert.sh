@@ -17,6 +17,10 @@ src="$(bash scripts/llama-sources.sh)"
 rm -rf "$dest.tmp"
 mkdir -p "$dest.tmp"
 cp -r "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$dest.tmp/"
+# Qwen2's vocabulary as llama.cpp's own tests ship it (5.7 MB): the tests' tiny qwen2 model takes its
+# tokenizer from it (fractal_opt/testing_families.py).
+mkdir -p "$dest.tmp/vocab"
+cp "$src/models/ggml-vocab-qwen2.gguf" "$dest.tmp/vocab/"
 # The converter must import here (torch, transformers, sentencepiece, numpy, its own gguf-py).
 "$PY" "$dest.tmp/convert_hf_to_gguf.py" --print-supported-models > "$dest.tmp/supported-models.txt" 2>&1 \
     || { tail -20 "$dest.tmp/supported-models.txt" >&2; echo "install-llama-convert: the converter does not run here" >&2; exit 1; }

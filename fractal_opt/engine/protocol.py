@@ -215,6 +215,13 @@ class Engine(abc.ABC):
         (the quality probes score the reference text with them). A runtime without one raises."""
         raise NotImplementedError(f"{type(self).__name__} gives no tokenizer to encode text with")
 
+    def prompt_ids(self, request: Request) -> list[int]:
+        """The token ids the model receives for ``request``: rendered once by fractal_opt from the
+        model's chat template, or as plain completion text for a model without one
+        (:mod:`fractal_opt.weights.prompts`), the same on every runtime. A runtime without a
+        tokenizer raises."""
+        raise NotImplementedError(f"{type(self).__name__} gives no tokenizer to render prompts with")
+
     # ------------------------------------------------------------------ serving's needs
     # What the runtime-agnostic request server (fractal_opt.serving.server) asks of every runtime.
     # The defaults fit a runtime without a response cache whose server decodes text itself.

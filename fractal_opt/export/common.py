@@ -48,6 +48,8 @@ SHARED: dict[str, tuple[str, str]] = {
     "application.cache_max_entries": ("lost", OWN_APP),
     "application.cache_ttl_s": ("lost", OWN_APP),
     "application.cache_threshold": ("lost", OWN_APP),
+    "application.chat_template": ("lost", "fractal_opt renders every prompt itself from the plan's template (fractal_opt/weights/prompts.py): "
+                                  "give this server the same template, or send it prompts already rendered (its completions endpoint)"),
 }
 
 

@@ -8,6 +8,8 @@ or given GGUF, or its re-quantized / widened copy when a kept pass made one.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..core.errors import ModelSourceError
 from ..tower.plan import Plan
 from .common import SHARED, TORCH_ONLY, Export, Where, stream, thread_count
@@ -73,12 +75,12 @@ def build(plan: Plan, where: Where, out: Export) -> dict[str, str]:
     """Fill ``out`` with the command and request fields; return the reason for each changed
     field that does not carry as the plan has it."""
     from ..runtimes.llama_cpp.process import command
-    from ..runtimes.llama_cpp.requantize import DTYPE_TARGETS
+    from ..runtimes.llama_cpp.model_file import DTYPE_TYPES
     from ..runtimes.llama_cpp.settings import refusals, server_settings
 
     reasons: dict[str, str] = {}
     model = where.model
-    if plan.model.quant_backend == "gguf" or plan.hardware.dtype in DTYPE_TARGETS:
+    if plan.model.quant_backend == "gguf" or plan.hardware.dtype in DTYPE_TYPES:
         model, why = _requantized_model(plan, model)
         if why:
             fields = ("model.weight_bits", "model.quant_backend", "model.quant_method") if plan.model.quant_backend == "gguf" else ("hardware.dtype",)
@@ -113,10 +115,10 @@ def build(plan: Plan, where: Where, out: Export) -> dict[str, str]:
 
 
 def _requantized_model(plan: Plan, model: str) -> tuple[str, str | None]:
-    """(the re-quantized GGUF llama-server loads, or ``model`` with why it could not be made here).
+    """(the GGUF llama-server loads, or ``model`` with why it could not be made here).
 
     The file is the one the llama_cpp runtime measured (cached; made now if it is not)."""
-    from ..runtimes.llama_cpp.requantize import DTYPE_TARGETS, model_file
+    from ..runtimes.llama_cpp.model_file import DTYPE_TYPES, model_file
     from ..weights.models import resolve
 
     try:
@@ -124,10 +126,16 @@ def _requantized_model(plan: Plan, model: str) -> tuple[str, str | None]:
     except ModelSourceError as e:
         source, problem = None, str(e)
     else:
-        problem = None if source.kind in ("gguf", "embedded") else f"{model!r} is not a GGUF file"
+        problem = None if source.kind in ("gguf", "embedded") or source.folder is not None else f"{model!r} is not a GGUF file or a model folder"
     if source is None or problem:
         gguf = plan.model.quant_backend == "gguf"
-        target = plan.model.quant_method if gguf else DTYPE_TARGETS[plan.hardware.dtype]
-        return model, (f"{problem}; convert the GGUF on the target: python -m fractal_opt.runtimes.llama_cpp.requantize MODEL.gguf "
-                       f"--type {target}" + ("" if not gguf or "lm_head" in plan.model.quant_skip else " --requantize-head"))
-    return str(model_file(plan, source.path, progress=lambda _: None)), None
+        target = plan.model.quant_method if gguf else DTYPE_TYPES[plan.hardware.dtype].lower()
+        if target in ("q8_0", "q4_0", "bf16", "f16"):
+            how = f"python -m fractal_opt.weights.gguf_rewrite MODEL.gguf --type {target}" + ("" if not gguf or "lm_head" in plan.model.quant_skip else " --requantize-head")
+        else:
+            how = f"llama-quantize --allow-requantize MODEL.gguf MODEL-{target.upper()}.gguf {target.upper()}"
+        return model, f"{problem}; convert the GGUF on the target: {how}"
+    try:
+        return str(model_file(dataclasses.replace(plan, source=model), progress=lambda _: None)), None
+    except ModelSourceError as e:
+        return model, str(e)

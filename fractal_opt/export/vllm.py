@@ -9,7 +9,7 @@ then needs the original model's tokenizer; the runtime never measured that path)
 from __future__ import annotations
 
 from ..tower.plan import Plan
-from .common import OWN_SERVER, Export, Where, served_folder, stream, thread_count
+from .common import OWN_SERVER, SHARED, Export, Where, served_folder, stream, thread_count
 
 __all__ = ["RUNTIME", "build", "table"]
 
@@ -26,6 +26,7 @@ def table() -> dict[str, tuple[str, str]]:
         why = {"refuse": "vLLM cannot honour it (see the reason)", "client": OWN_SERVER}.get(kind, "see the command")
         out[name] = (kinds[kind], why)
     out["scheduling.streaming"] = ("request", "stream: true/false, chosen by each client")
+    out["application.chat_template"] = SHARED["application.chat_template"]
     return out
 
 

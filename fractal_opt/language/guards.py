@@ -12,6 +12,12 @@ A guard is ``metric: {min | max | max_regression | max_drop: number, accept_unkn
   decrease must also be beyond noise: a one-sided sign test below :data:`WORSE_P`, or a drop over
   :data:`CERTAIN_DROP`.
 - ``accept_unknown``: see below.
+- ``judged_by``: another metric that decides when this one trips and that one was measured. The
+  default ``agreement`` guard is ``{min: 0.5, judged_by: accuracy}``: greedy agreement on a few
+  prompts is a coarse statistic (harmless changes scored 0.61 and up on the default suite,
+  docs/quality.md), so an agreement under its floor says the answers changed more than harmless
+  changes make them, not that they are wrong; where the paired eval was scored, it decides between
+  "reworded" and "wrong" (the accuracy guard), and the agreement is a note. Without an eval it trips.
 
 **Only exact values are judged.** A quality number that could not be measured on the step's
 runtime (``None``), or a KL that is only a lower bound (a runtime that gives its top-k rows only:
@@ -105,6 +111,7 @@ class Guard:
     max_regression: float | None = None
     max_drop: float | None = None
     accept_unknown: bool = False
+    judged_by: str | None = None  # a metric that decides instead when this guard trips and it was measured
 
     def describe(self) -> str:
         limits = ((k, getattr(self, k)) for k in LIMITS)
@@ -130,7 +137,16 @@ class Guard:
             return Finding(trips=[f"guard {self.describe()} tripped: {self.metric} is not finite ({value!r})"], in_force=True)
         trips, notes = self._absolute(value, ev)
         trips += self._drop(value, ev) + self._regression(ev)
+        if trips and self.judged_by and finite(ev.after.get(self.judged_by)):
+            return Finding(notes=[*notes, *(f"{t}, {self._deferred(ev)}" for t in trips)], in_force=True)
         return Finding(trips=trips, notes=notes, in_force=True)
+
+    def _deferred(self, ev: Evidence) -> str:
+        """Why a trip of this guard is a note: the metric it defers to was measured and decides."""
+        a = ev.after
+        paired = f" (lost {a.get('eval_lost')}, gained {a.get('eval_gained')} of {a.get('eval_total')} questions)" if "eval_lost" in a else ""
+        return (f"more than harmless changes move it on this workload: the answers are reworded, and {self.judged_by} "
+                f"{fmt(a.get(self.judged_by))}{paired} decides whether they are wrong")
 
     def unknown(self, after: dict[str, Any]) -> str | None:
         """Why this guard's quality number is not an exact value, or None when it is."""

@@ -76,7 +76,10 @@ WATCH = {
 # (docs/quality.md). accuracy: the eval set's questions, worse beyond noise (guards.WORSE_P); in
 # force when an eval set is scored (by default for an embedded model).
 DETERMINISM = ("off", "required")  # policy.determinism: the values it takes
-DEFAULT_GUARDS = {"kl_mean": {"max": 0.05}, "agreement": {"min": 0.5}, "accuracy": {"max_drop": 0.0}}
+OPTIONS = ("accept_unknown", "judged_by")  # a guard's keys besides its limits
+# Below 0.5 the eval decides, where one was scored (judged_by: guards.py): agreement says the answers
+# changed, the paired eval whether they are wrong.
+DEFAULT_GUARDS = {"kl_mean": {"max": 0.05}, "agreement": {"min": 0.5, "judged_by": "accuracy"}, "accuracy": {"max_drop": 0.0}}
 # What a scheduling pass may cost the people waiting (DESIGN.md: throughput is the objective, TTFT /
 # ITL percentiles the guards), relative to the previous plan. On the project's 2-core CPU, static
 # and continuous batching at 8 in flight raised ITL p90 by 74-133% over one-by-one serving while
@@ -158,9 +161,13 @@ class Policy:
             if not isinstance(spec, dict) or not spec:
                 raise RecipeError(f"policy.guards.{metric}: expected a mapping like {{max: 0.05}}, got {spec!r}.")
             for key, value in spec.items():
-                if key not in (*LIMITS, "accept_unknown"):
-                    valid = sorted((*LIMITS, "accept_unknown"))
+                if key not in (*LIMITS, *OPTIONS):
+                    valid = sorted((*LIMITS, *OPTIONS))
                     raise RecipeError(f"policy.guards.{metric}: unknown limit {key!r}. Valid limits are: {valid}.{closest(key, valid)}")
+                if key == "judged_by":
+                    if value is not None and value not in ALL_METRICS:
+                        raise RecipeError(f"policy.guards.{metric}.judged_by: got {value!r}, expected a metric (such as 'accuracy') or null.{closest(str(value), ALL_METRICS)}")
+                    continue
                 if key == "accept_unknown":
                     if not isinstance(value, bool):
                         raise RecipeError(f"policy.guards.{metric}.accept_unknown: got {value!r}, expected true or false.")
@@ -288,9 +295,11 @@ def _identical(ev: Evidence, determinism: str) -> str:
 
 def _merged(default: dict | None, spec: dict) -> dict:
     """A recipe's guard over the default one: its limits replace the default's when it names any
-    (``kl_mean: {max: 0.1}``); ``accept_unknown`` alone keeps the default's limits."""
+    (``kl_mean: {max: 0.1}``); options (``accept_unknown``, ``judged_by``) it names replace the
+    default's, and the default's others stay."""
     limits = {k: v for k, v in spec.items() if k in LIMITS} or {k: v for k, v in (default or {}).items() if k in LIMITS}
-    return {**limits, **{k: v for k, v in spec.items() if k == "accept_unknown"}}
+    options = {k: v for k, v in (default or {}).items() if k in OPTIONS} | {k: v for k, v in spec.items() if k in OPTIONS}
+    return {**limits, **options}
 
 
 def _watched(layer: Layer) -> tuple[str, ...]:

@@ -117,11 +117,12 @@ def _guards_schema() -> dict[str, Any]:
     from .policy import ALL_METRICS
 
     limit = {"type": "number"}
-    guard = {"type": "object", "properties": {**{k: limit for k in ("min", "max", "max_regression", "max_drop")}, "accept_unknown": {"type": "boolean"}},
+    guard = {"type": "object", "properties": {**{k: limit for k in ("min", "max", "max_regression", "max_drop")}, "accept_unknown": {"type": "boolean"},
+                                              "judged_by": {"anyOf": [{"enum": sorted(ALL_METRICS)}, {"type": "null"}]}},
              "additionalProperties": False, "minProperties": 1}
     return {
         "type": "object",
-        "description": "metric -> {min|max|max_regression|max_drop: number, accept_unknown: bool}; null removes a default guard; 'probe.name' guards a custom probe's number",
+        "description": "metric -> {min|max|max_regression|max_drop: number, accept_unknown: bool, judged_by: metric}; null removes a default guard; 'probe.name' guards a custom probe's number",
         "propertyNames": {"anyOf": [{"enum": sorted(ALL_METRICS)}, {"pattern": r"^[A-Za-z_]\w*\.\w+$"}]},
         "additionalProperties": {"anyOf": [guard, {"type": "null"}]},
     }

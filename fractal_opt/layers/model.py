@@ -17,6 +17,7 @@ from ..engine.registry import capabilities_of
 from ..tower.passes import Layer, Pass, register
 from ..tower.plan import Plan
 from ..tower.quant_select import check_skip
+from ..weights.ladder import GGUF_METHODS
 
 __all__ = ["BACKEND_PACKAGES", "METHODS", "ContextCap", "KVCache", "Quantize"]
 
@@ -28,8 +29,8 @@ BACKEND_PACKAGES = {"torchao": "torchao", "bitsandbytes": "bitsandbytes", "quant
 #            dynamic: int8 weights and int8 activations quantized per token at run time.
 #   bitsandbytes int8: LLM.int8() (outlier columns kept in fp16); nf4 / fp4: 4-bit blocks of 64.
 #   quanto   weight_only: qint8 / qint4 weights (int4 in groups of 128, quanto's layout).
-#   gguf     q8_0 / q4_0: a GGUF file re-quantized to that ggml block type, for the llama_cpp
-#            runtime (fractal_opt/runtimes/llama_cpp/requantize.py).
+#   gguf     the weight ladder: the GGUF file in that ggml type, for the llama_cpp runtime, made by
+#            llama.cpp's own converter and llama-quantize (fractal_opt/weights/ladder.py).
 METHODS: dict[tuple[str, int], tuple[str, ...]] = {
     ("torchao", 8): ("weight_only", "dynamic"),
     ("torchao", 4): ("weight_only",),
@@ -37,13 +38,11 @@ METHODS: dict[tuple[str, int], tuple[str, ...]] = {
     ("bitsandbytes", 4): ("nf4", "fp4"),
     ("quanto", 8): ("weight_only",),
     ("quanto", 4): ("weight_only",),
-    ("gguf", 8): ("q8_0",),
-    ("gguf", 4): ("q4_0",),
+    **{("gguf", bits): tuple(m for m, b in GGUF_METHODS.items() if b == bits) for bits in sorted(set(GGUF_METHODS.values()), reverse=True)},
 }
 # Backends that quantize a loaded model (so one block at a time can be tried: sensitivity).
 POST_LOAD_BACKENDS = ("torchao", "quanto")
 BNB_METHODS = ("int8", "nf4", "fp4")
-GGUF_METHODS = ("q8_0", "q4_0")
 # The skip lists the gguf backend honours: the output head kept at its stored type, or nothing kept.
 GGUF_SKIPS = ((), ("lm_head",))
 
@@ -63,18 +62,19 @@ class Quantize(Pass):
     to the recipe's kl_mean guard; torchao and quanto only). The build's census says what was
     quantized; a build that quantized nothing fails the pass.
 
-    On the llama_cpp runtime ``backend: auto`` is ``gguf``: the GGUF file is re-quantized to
-    Q8_0 (8 bits) or Q4_0 (4 bits) with the gguf package, once, and llama.cpp loads the copy. The
-    embedded model's Q4_1 blocks have no fast CPU kernels in this llama.cpp build; Q4_0 ones do
-    (docs/runtimes.md). ``skip: [lm_head]`` (the default) keeps the output head at its stored type.
+    On the llama_cpp runtime ``backend: auto`` is ``gguf``: the weights become a GGUF of a type of
+    llama.cpp's weight ladder (8 bits: q8_0; 6: q6_k; 5: q5_k_m; 4: q4_0 first, q4_k_m, iq4_xs),
+    made once by llama.cpp's converter and llama-quantize (fractal_opt/weights/ladder.py), never
+    above the source's own bits a weight. ``skip: [lm_head]`` (the default) leaves the output head
+    to llama.cpp's own rule (a wider type than the body; a quantized GGUF's head as stored).
     """
 
     name = "quantize"
     layer = Layer.MODEL
 
-    bits: Literal[8, 4] = 8
+    bits: Literal[8, 6, 5, 4] = 8  # 6 and 5: the gguf backend's K-quants only
     backend: Literal["auto", "torchao", "bitsandbytes", "quanto", "gguf"] = "auto"
-    method: Literal["auto", "weight_only", "dynamic", "int8", "nf4", "fp4", "q8_0", "q4_0"] = "auto"
+    method: Literal["auto", "weight_only", "dynamic", "int8", "nf4", "fp4", "q8_0", "q6_k", "q5_k_m", "q4_0", "q4_k_m", "iq4_xs"] = "auto"
     group_size: int | None = None  # torchao 4-bit only; None = 32 there
     skip: tuple[str, ...] = ("lm_head",)
     sensitivity: bool = False
@@ -103,7 +103,10 @@ class Quantize(Pass):
 
     def resolve_method(self, backend: str) -> str:
         """The method on ``backend`` (``auto`` = the backend's first). Raises RecipeError if not offered."""
-        offered = METHODS[(backend, self.bits)]
+        offered = METHODS.get((backend, self.bits), ())
+        if not offered:
+            at = sorted(bits for b, bits in METHODS if b == backend)
+            raise RecipeError(f"pass 'quantize', parameter 'bits': {backend} does not quantize to {self.bits} bits (it offers {at}).")
         if self.method == "auto":
             return offered[0]
         if self.method not in offered:

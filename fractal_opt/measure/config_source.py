@@ -37,9 +37,8 @@ def load_config(source: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, 
     from ..weights import models
 
     src = models.resolve(spec)  # raises with the embedded names and the closest match
-    if src.kind == "local":
-        assert src.path is not None
-        return spec, models.read_config(src.path)  # names the file and what is wrong with it
+    if src.folder is not None:  # a folder, or a hub id's snapshot in the local cache
+        return spec, models.read_config(src.folder)  # names the file and what is wrong with it
     if src.kind in ("embedded", "gguf"):
         assert src.path is not None
         models.check_files(src, complete=False)  # a junk or truncated GGUF header: a clear error, not gguf's ValueError

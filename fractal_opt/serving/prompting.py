@@ -169,19 +169,19 @@ def _drop_chunks(msgs: Messages, budget: int, tokens: Tokens) -> tuple[Messages,
 
 
 class HFTokens:
-    """:class:`Tokens` over a transformers tokenizer, counting prompts as the engine renders them."""
+    """:class:`Tokens` over a transformers tokenizer, counting prompts as the engine renders them
+    (``prompt_format``: :class:`fractal_opt.weights.prompts.PromptFormat`; None: the tokenizer's own)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, prompt_format: Any = None):
+        from ..weights.prompts import prompt_format as format_of
+
         self.tokenizer = tokenizer
-
-    def render(self, messages: Sequence[dict[str, str]]) -> str:
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            return tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        return "\n".join(m["content"] for m in messages)
+        self.format = prompt_format if prompt_format is not None or tokenizer is None else format_of(tokenizer)
 
     def count(self, messages: Sequence[dict[str, str]]) -> int:
-        return len(self.encode(self.render(messages)))
+        from ..weights.prompts import prompt_ids
+
+        return len(prompt_ids(self.tokenizer, self.format, messages))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

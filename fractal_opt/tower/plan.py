@@ -152,6 +152,10 @@ class ApplicationPlan:
     prompt_lookup_tokens: int | None = field(default=None, metadata=RUNTIME)  # speculative tokens drafted from prompt n-grams
     draft: str | None = field(default=None, metadata=RUNTIME)  # assisted decoding: draft model source (same tokenizer)
     draft_tokens: int = field(default=5, metadata=RUNTIME)  # tokens the draft proposes per step
+    # How a request becomes the prompt (fractal_opt/weights/prompts.py): None = the model's own chat
+    # template, or plain completion text for a model without one; "none" = plain text; else a Jinja
+    # chat template of the recipe's. Every runtime receives the same token ids.
+    chat_template: str | None = field(default=None, metadata=RUNTIME)
     # None of these change the main model's weights or its next-token distributions (runtime), so
     # they are in neither weights_key() nor numerics_key(); the engine caches the draft model itself.
 

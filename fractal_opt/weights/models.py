@@ -28,7 +28,7 @@ from typing import Any, Literal
 from ..core.errors import ModelSourceError, closest
 from .model_headers import gguf_header, safetensors_header
 
-__all__ = ["EMBEDDED", "ModelSource", "cache_dir", "check_files", "gguf_metadata", "materialize", "positions", "read_config", "resolve", "token_counter"]
+__all__ = ["EMBEDDED", "ModelSource", "cache_dir", "check_files", "gguf_metadata", "hub_problem", "materialize", "positions", "read_config", "resolve", "token_counter"]
 
 # name -> (distribution that ships it, path of the GGUF inside the distribution)
 EMBEDDED: dict[str, tuple[str, str]] = {
@@ -44,7 +44,13 @@ class ModelSource:
 
     spec: str  # what the recipe said
     kind: Literal["embedded", "local", "gguf", "hub"]
-    path: Path | None = None  # local dir or .gguf file; None for hub ids
+    path: Path | None = None  # local dir or .gguf file; a hub id's snapshot folder in the local cache (None: not there)
+
+    @property
+    def folder(self) -> Path | None:
+        """The transformers model folder this source is (a local folder, or a hub id's cached
+        snapshot), or None (a GGUF file, the embedded GGUF, a hub id not cached here)."""
+        return self.path if self.kind in ("local", "hub") else None
 
 
 def cache_dir() -> Path:
@@ -96,9 +102,31 @@ def resolve(spec: str) -> ModelSource:
     if spec.startswith((".", "/", "~")) or os.sep in spec and not _HUB_ID.match(spec):
         raise ModelSourceError(f"model: path {spec!r} does not exist.")
     if _HUB_ID.match(spec):
-        return ModelSource(spec, "hub")
+        return ModelSource(spec, "hub", _hub_snapshot(spec))
     msg = f"model: {spec!r} is not an embedded model, an existing path, a .gguf file or a hub id (org/name). Embedded models: {sorted(EMBEDDED)}.{closest(spec, EMBEDDED)}"
     raise ModelSourceError(msg)
+
+
+def _hub_snapshot(repo_id: str) -> Path | None:
+    """The folder of ``repo_id``'s newest snapshot in the local Hugging Face cache, or None when it
+    is not there. Never downloads (``local_files_only``): fractal_opt reads weights from disk only."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        return None
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None
+
+
+def hub_problem(source: ModelSource) -> str | None:
+    """Why a hub id cannot be used here (it is not in the local cache), or None."""
+    if source.kind != "hub" or source.path is not None:
+        return None
+    return (f"model: hub id {source.spec!r} is not in the local Hugging Face cache (HF_HOME, ~/.cache/huggingface/hub), and fractal_opt never "
+            f"downloads weights: fetch it once with `huggingface-cli download {source.spec}`, or give a local folder or a .gguf file")
 
 
 def local_files(path: Path) -> list[Path]:
@@ -139,7 +167,8 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 def check_files(source: ModelSource, *, complete: bool = True) -> None:
     """Check what can be checked without loading weights: the config, weight files and tokenizer
-    of a folder, the header of a GGUF file. Hub ids are not checked (that needs the network).
+    of a folder (a hub id's snapshot in the local cache is one), the header of a GGUF file. A hub id
+    that is not in the local cache is refused by the complete check (nothing is downloaded).
 
     ``complete=False`` checks only the files that are there (config readable, safetensors headers
     intact, GGUF header valid) and not that weights and a tokenizer exist: what recipe loading
@@ -153,7 +182,9 @@ def check_files(source: ModelSource, *, complete: bool = True) -> None:
         assert source.path is not None
         gguf_metadata(str(source.path))
         return
-    if source.kind != "local":
+    if source.kind == "hub" and source.path is None:
+        if complete:
+            raise ModelSourceError(str(hub_problem(source)))
         return
     folder = source.path
     assert folder is not None
@@ -194,8 +225,7 @@ def positions(source: ModelSource) -> int | None:
         assert source.path is not None
         meta = _meta(source.path)
         value = meta.get(f"{meta.get('general.architecture', 'llama')}.context_length")
-    elif source.kind == "local":
-        assert source.path is not None
+    elif source.path is not None:  # a folder, or a hub id's cached snapshot
         config = read_config(source.path)
         config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
         value = next((config[k] for k in _POSITION_KEYS if isinstance(config.get(k), int)), None)
@@ -221,7 +251,7 @@ def token_counter(source: ModelSource) -> tuple[Callable[[str], int], bool] | No
         if not longest:
             return None
         return (lambda text: math.ceil(len(text.encode("utf-8")) / longest)), False
-    if source.kind == "local" and source.path is not None and (source.path / "tokenizer.json").is_file():
+    if source.kind in ("local", "hub") and source.path is not None and (source.path / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 
         try:
@@ -234,10 +264,10 @@ def token_counter(source: ModelSource) -> tuple[Callable[[str], int], bool] | No
 
 def materialize(source: ModelSource, *, progress=print) -> str:
     """A directory or hub id that ``from_pretrained`` loads directly; converts GGUF once."""
-    if source.kind in ("local",):
+    if source.kind in ("local", "hub"):
+        if source.path is None:
+            raise ModelSourceError(str(hub_problem(source)))
         return str(source.path)
-    if source.kind == "hub":
-        return source.spec
     assert source.path is not None
     stat = source.path.stat()
     digest = hashlib.sha256(f"{source.path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]

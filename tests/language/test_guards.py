@@ -73,3 +73,33 @@ def test_accuracy_drop_without_significance_counts_when_large():
     noise = guard.check(Evidence(after={"accuracy": 0.7, "eval_lost": 2, "eval_gained": 0, "eval_total": 40, "eval_worse_p": 0.25}, baseline={"accuracy": 0.75}))
     assert small.trips and "a drop over 0.1 counts without the sign test" in small.trips[0]
     assert noise.trips == [] and noise.in_force
+
+
+def test_agreement_under_its_floor_defers_to_a_scored_eval():
+    """The default agreement guard (min 0.5, judged_by accuracy) trips without an eval; with the
+    paired eval scored, the low agreement is a note naming the eval's counts, and the eval decides."""
+    from fractal_opt.language.policy import Policy
+    from fractal_opt.tower.passes import Layer
+
+    [agreement] = [g for g in Policy().guards_for(Layer.MODEL) if g.metric == "agreement"]
+    assert (agreement.min, agreement.judged_by) == (0.5, "accuracy")
+    alone = agreement.check(Evidence(after={"agreement": 0.37}))
+    assert alone.trips == ["guard agreement min 0.5 tripped: 0.37"]
+    with_eval = agreement.check(Evidence(after={"agreement": 0.37, "accuracy": 0.78, "eval_lost": 0, "eval_gained": 1, "eval_total": 45}))
+    assert with_eval.trips == [] and with_eval.in_force
+    assert "reworded" in with_eval.notes[0] and "lost 0, gained 1 of 45" in with_eval.notes[0]
+    assert agreement.check(Evidence(after={"agreement": 0.9, "accuracy": 0.78})).notes == []
+
+
+def test_a_recipe_can_make_agreement_strict_again():
+    """policy.guards.agreement.judged_by: null keeps the floor as a trip even with an eval; a wrong name is refused with the closest one."""
+    import pytest
+
+    from fractal_opt.core.errors import RecipeError
+    from fractal_opt.language.policy import Policy
+    from fractal_opt.tower.passes import Layer
+
+    [strict] = [g for g in Policy(guards={"agreement": {"judged_by": None}}).guards_for(Layer.MODEL) if g.metric == "agreement"]
+    assert strict.min == 0.5 and strict.check(Evidence(after={"agreement": 0.3, "accuracy": 0.8})).trips
+    with pytest.raises(RecipeError, match="Did you mean 'accuracy'"):
+        Policy(guards={"agreement": {"judged_by": "acuracy"}})

@@ -1,9 +1,11 @@
 """A tiny OpenAI-compatible streaming server on 127.0.0.1, for the vllm runtime's contract tests.
 
 It speaks the subset of vLLM's API the runtime uses: ``GET /v1/models`` (with ``max_model_len``),
-``POST /v1/chat/completions`` with ``stream: true`` (SSE ``data:`` lines, ``prompt_token_ids`` on
-the first chunk and ``token_ids`` per chunk as vLLM sends with ``return_token_ids``, a usage chunk,
-``[DONE]``). The answer is deterministic: token i is ``" w{i}"`` with id ``100 + i``; it stops
+``POST /v1/completions`` with ``stream: true`` and a token-id ``prompt`` (SSE ``data:`` lines,
+``prompt_token_ids`` in the first chunk's choice and ``token_ids`` per chunk as vLLM sends with
+``return_token_ids``, a usage chunk, ``[DONE]``), the same for ``/v1/chat/completions`` (a
+stand-in tokenizer's ids of the messages), and ``/v1/completions`` without ``stream`` (prompt
+log-probabilities). The answer is deterministic: token i is ``" w{i}"`` with id ``100 + i``; it stops
 with ``finish_reason: "stop"`` after ``eos_after`` tokens unless ``ignore_eos`` is set.
 
 It records what a test needs to check the client: every request body, the most requests in flight
@@ -115,10 +117,10 @@ def _handler(fake: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            if self.path == "/v1/completions":
+            if self.path == "/v1/completions" and not body.get("stream"):
                 self._completion(body)
                 return
-            if self.path != "/v1/chat/completions":
+            if self.path not in ("/v1/chat/completions", "/v1/completions"):
                 self._json(404, {"error": {"message": f"no route {self.path}"}})
                 return
             if body.get("model") != fake.model:
@@ -159,16 +161,21 @@ def _handler(fake: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            prompt = _prompt_ids(body.get("messages") or [])
+            chat = "messages" in body
+            prompt = _prompt_ids(body.get("messages") or []) if chat else [int(t) for t in body.get("prompt") or []]
             budget = int(body.get("max_tokens") or 16)
             n = budget if body.get("ignore_eos") else min(budget, fake.eos_after)
-            base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": fake.model}
-            self._event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}], "prompt_token_ids": prompt})
+            base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk" if chat else "text_completion", "model": fake.model}
+            if chat:
+                self._event({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}], "prompt_token_ids": prompt})
+            else:
+                self._event({**base, "choices": [{"index": 0, "text": "", "finish_reason": None, "prompt_token_ids": prompt}]})
             for i in range(n):
                 time.sleep(fake.token_delay_s)
                 last = i == n - 1
                 finish = ("length" if n == budget else "stop") if last else None
-                self._event({**base, "choices": [{"index": 0, "delta": {"content": f" w{i}"}, "token_ids": [100 + i], "finish_reason": finish}]})
+                piece = {"delta": {"content": f" w{i}"}} if chat else {"text": f" w{i}"}
+                self._event({**base, "choices": [{"index": 0, **piece, "token_ids": [100 + i], "finish_reason": finish}]})
             self._event({**base, "choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}})
             self._event("[DONE]")
             self.wfile.write(b"0\r\n\r\n")

@@ -216,8 +216,23 @@ def test_refuse_accepts_the_fields_it_maps() -> None:
     assert LlamaCppEngine.refuse(plan) is None
 
 
-def test_refuse_a_transformers_folder(tmp_path) -> None:
-    """A Hugging Face model folder is refused: llama.cpp loads GGUF files."""
-    (tmp_path / "config.json").write_text("{}")
-    reason = LlamaCppEngine.refuse(Plan(source=str(tmp_path), hardware=HardwarePlan(runtime="llama_cpp")))
-    assert reason is not None and "GGUF" in reason
+def test_a_transformers_folder_is_converted_unless_its_architecture_is_unknown(tmp_path, monkeypatch) -> None:
+    """A model folder reaches llama.cpp through llama.cpp's converter: an architecture the converter
+    knows is accepted before anything converts; one it does not know, or no converter at all, is
+    refused naming the architecture (or the command that installs the converter)."""
+    from fractal_opt.weights import convert
+
+    script = tmp_path / "convert_hf_to_gguf.py"
+    script.write_text("")
+    monkeypatch.setattr(convert, "converter_script", lambda: script)
+    monkeypatch.setattr(convert, "supported_architectures", lambda: frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"}))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    plan = Plan(source=str(folder), hardware=HardwarePlan(runtime="llama_cpp"))
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "dtype": "bfloat16"}')
+    assert LlamaCppEngine.refuse(plan) is None
+    (folder / "config.json").write_text('{"architectures": ["Qwen2ForCausalLMX"]}')
+    reason = LlamaCppEngine.refuse(plan) or ""
+    assert "'Qwen2ForCausalLMX'" in reason and "Did you mean 'Qwen2ForCausalLM'" in reason
+    monkeypatch.setattr(convert, "supported_architectures", lambda: None)
+    assert "make setup" in (LlamaCppEngine.refuse(plan) or "")

@@ -1,4 +1,4 @@
-"""One llama.cpp chat completion read from its chunks: text, token ids and times, the unstreamed
+"""One llama.cpp completion read from its chunks: text, token ids and times, the unstreamed
 end-of-sequence token, llama.cpp's errors as fractal_opt's, and streaming that stops the request."""
 
 from __future__ import annotations
@@ -8,23 +8,23 @@ import time
 import pytest
 
 from fractal_opt.core.errors import EngineError, RequestRejected
-from fractal_opt.runtimes.llama_cpp.completion import complete_chat, stream_text
+from fractal_opt.runtimes.llama_cpp.completion import complete, stream_text
 
 EOS = 2
 
 
 def _chunk(text: str, token_id: int, finish: str | None = None) -> dict:
-    return {"choices": [{"delta": {"content": text}, "logprobs": {"content": [{"id": token_id}]}, "finish_reason": finish}]}
+    return {"choices": [{"text": text, "logprobs": {"content": [{"id": token_id}]}, "finish_reason": finish}]}
 
 
 class FakeServer:
-    """Calls the callback with the given chunks, as xllamacpp's handle_chat_completions does, and
+    """Calls the callback with the given chunks, as xllamacpp's streamed handle_completions does, and
     remembers whether the callback asked it to stop."""
 
     def __init__(self, chunks: list[dict], result: object = None, gap_s: float = 0.0):
         self.chunks, self.result, self.gap_s, self.stopped_after = chunks, result, gap_s, None
 
-    def handle_chat_completions(self, body: dict, callback) -> object:
+    def handle_completions(self, body: dict, callback) -> object:
         for i, chunk in enumerate(self.chunks):
             time.sleep(self.gap_s if i else 0.0)  # a token's decode time
             if callback(chunk):
@@ -34,7 +34,7 @@ class FakeServer:
 
 
 def _answer_of(chunks: list[dict], *, eos_id: int | None = EOS, on_tokens=None, result: object = None):
-    return complete_chat(FakeServer(chunks, result), {}, request_id="r1", eos_id=eos_id, on_tokens=on_tokens, context_per_request=512)
+    return complete(FakeServer(chunks, result), {}, request_id="r1", eos_id=eos_id, on_tokens=on_tokens, context_per_request=512)
 
 
 def test_chunks_become_the_answer_with_a_clock_reading_per_token():
@@ -71,7 +71,7 @@ def test_another_llama_cpp_error_is_an_engine_error():
 def test_streaming_yields_text_and_stops_the_request_when_the_caller_stops():
     """The caller gets each piece as it comes; breaking out after the first stops llama.cpp's request."""
     server = FakeServer([_chunk(f"t{i} ", i) for i in range(50)], gap_s=0.02)  # 1 s of tokens
-    pieces = stream_text(lambda on_tokens: complete_chat(server, {}, request_id="r", eos_id=None, on_tokens=on_tokens, context_per_request=64))
+    pieces = stream_text(lambda on_tokens: complete(server, {}, request_id="r", eos_id=None, on_tokens=on_tokens, context_per_request=64))
     assert next(pieces) == "t0 "
     pieces.close()  # the caller stops iterating: the stream stops the request and waits for its thread
     assert server.stopped_after is not None and server.stopped_after < 50
@@ -81,4 +81,4 @@ def test_streaming_raises_the_completions_error():
     """An error inside the completion's thread reaches the caller iterating the stream."""
     server = FakeServer([{"error": {"message": "gone"}}])
     with pytest.raises(EngineError, match="gone"):
-        list(stream_text(lambda on_tokens: complete_chat(server, {}, request_id="r", eos_id=None, on_tokens=on_tokens, context_per_request=64)))
+        list(stream_text(lambda on_tokens: complete(server, {}, request_id="r", eos_id=None, on_tokens=on_tokens, context_per_request=64)))

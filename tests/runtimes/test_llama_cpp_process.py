@@ -125,25 +125,31 @@ def test_a_16_bit_dtype_is_a_widened_copy_and_excludes_a_gguf_requantization() -
     assert any(r.startswith("hardware.dtype=") and "keep one" in r for r in refusals(both))
 
 
-def test_the_engine_serves_through_a_child_process(fake_exe: Path, tmp_path: Path) -> None:
-    """Built with runtime_path, the engine starts the executable with the plan's flags, streams every
-    token with its id and a clock reading, reports the child's pid, answers top-k log-probabilities,
-    turns llama-server's context refusal into RequestRejected, and stops the child when evicted."""
+def test_the_engine_serves_through_a_child_process(fake_exe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built with runtime_path, the engine starts the executable with the plan's flags, sends the
+    prompt as the token ids it rendered, streams every token with its id and a clock reading, reports
+    the child's pid, answers top-k log-probabilities, turns llama-server's context refusal into
+    RequestRejected, and stops the child when evicted."""
     _model_path()
+    monkeypatch.setenv("FAKE_LLAMA_PROMPTS", str(tmp_path / "prompts.jsonl"))
+    monkeypatch.setenv("FAKE_LLAMA_CONTEXT", "300")
     plan = Plan(source=MODEL, hardware=HardwarePlan(runtime="llama_cpp", threads=1, runtime_path=str(fake_exe)))
     engine = llama_engine.LlamaCppEngine.build(plan, progress=lambda _: None, max_new_tokens=5)
     args = json.loads((tmp_path / "args.json").read_text())
     assert args[args.index("--threads") + 1] == "1" and args[args.index("--parallel") + 1] == "1"
     [pid] = engine.server_pids()
     assert _alive(pid)
-    [gen] = engine.serve(Workload(suite="default", max_new_tokens=5).requests()[:1], max_new_tokens=5)
-    assert gen.text == " w0 w1 w2 w3 w4" and gen.token_ids == [100, 101, 102, 103, 104] and gen.prompt_tokens == 7
+    [request] = Workload(suite="default", max_new_tokens=5).requests()[:1]
+    [gen] = engine.serve([request], max_new_tokens=5)
+    sent = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert sent[-1] == engine.prompt_ids(request) and gen.prompt_tokens == len(sent[-1])
+    assert gen.text == " w0 w1 w2 w3 w4" and gen.token_ids == [100, 101, 102, 103, 104]
     assert gen.token_times == sorted(gen.token_times) and gen.hit_cap
     assert engine.top_logprobs([1, 2], k=3) == [{100: -0.5, 101: -1.0, 102: -1.5}] * 2
     from fractal_opt.workloads.workload import Request
 
     with pytest.raises(RequestRejected, match="context"):
-        engine.serve([Request(id="long", messages=(("user", "TOO LONG"),))], max_new_tokens=5)
+        engine.serve([Request(id="long", messages=(("user", "word " * 400),))], max_new_tokens=5)
     llama_engine.evict_except(set())
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:
@@ -164,8 +170,8 @@ def test_a_child_that_exits_at_start_raises_with_its_log(tmp_path: Path) -> None
         llama_engine.LlamaCppEngine.build(plan, progress=lambda _: None)
 
 
-@pytest.mark.parametrize("marker", ["DIE MIDWAY", "TORN CHUNK"])
-def test_a_child_that_dies_mid_stream_raises_with_its_log(fake_exe: Path, marker: str) -> None:
+@pytest.mark.parametrize("marker", ["midway", "torn"])
+def test_a_child_that_dies_mid_stream_raises_with_its_log(fake_exe: Path, marker: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A llama-server that crashes while streaming (the connection closed early, or cut inside a
     chunk) gives an EngineError with its exit status and last log lines, not a socket error or a
     silently short answer."""
@@ -173,10 +179,11 @@ def test_a_child_that_dies_mid_stream_raises_with_its_log(fake_exe: Path, marker
     from fractal_opt.workloads.workload import Request
 
     _model_path()
+    monkeypatch.setenv("FAKE_LLAMA_DIE", marker)
     plan = Plan(source=MODEL, hardware=HardwarePlan(runtime="llama_cpp", threads=1, runtime_path=str(fake_exe)))
     engine = llama_engine.LlamaCppEngine.build(plan, progress=lambda _: None, max_new_tokens=5)
     with pytest.raises(EngineError, match="(?s)status 7.*simulated crash"):
-        engine.serve([Request(id="crash", messages=(("user", marker),))], max_new_tokens=5)
+        engine.serve([Request(id="crash", messages=(("user", "Hello"),))], max_new_tokens=5)
 
 
 def test_the_native_build_serves_the_embedded_model_and_is_measured_with_its_memory() -> None:

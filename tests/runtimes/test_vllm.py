@@ -66,15 +66,17 @@ def test_stream_yields_text_pieces(fake, monkeypatch) -> None:
     assert list(engine.stream("Hello there", max_new_tokens=3)) == [" w0", " w1", " w2"]
     assert engine.generate("Hello there", max_new_tokens=4) == " w0 w1 w2 w3"
     body = fake.requests[-1]
-    assert body["stream"] is True and body["temperature"] == 0.0 and body["max_tokens"] == 4 and body["messages"] == [{"role": "user", "content": "Hello there"}]
+    assert body["stream"] is True and body["temperature"] == 0.0 and body["max_tokens"] == 4
+    assert body["prompt"] == engine.prompt_ids(Request(id="p", messages=(("user", "Hello there"),)))  # the ids fractal_opt rendered
 
 
 def test_serve_times_every_token(fake, monkeypatch) -> None:
     """serve returns one clock reading per token, in order, after prefill starts, with the server's token ids."""
     engine = connect(fake, monkeypatch)
-    [g] = engine.serve([Request(id="r1", messages=(("user", "one two three"),))], max_new_tokens=5)
+    request = Request(id="r1", messages=(("user", "one two three"),))
+    [g] = engine.serve([request], max_new_tokens=5)
     assert g.request_id == "r1" and g.token_ids == [100, 101, 102, 103, 104] and g.text == " w0 w1 w2 w3 w4"
-    assert g.prompt_tokens == 3 and g.hit_cap
+    assert g.prompt_tokens == len(engine.prompt_ids(request)) and g.hit_cap
     assert g.t_submit <= g.t_prefill_start <= g.token_times[0]
     assert g.token_times == sorted(g.token_times)
     # The fake waits 10 ms before each token: readings at arrival span >= 40 ms, not one batch at the end
@@ -207,9 +209,11 @@ def _running(pid: int) -> bool:
 
 @pytest.fixture
 def model_folder(tmp_path: Path) -> Path:
-    """A model folder with a config and a safetensors header of 2 x 3 x 4 float32 values."""
+    """A model folder with a config, a safetensors header of 2 x 3 x 4 float32 values and a tokenizer."""
+    from fractal_opt.testing import tiny_tokenizer
+
     folder = tmp_path / "model"
-    folder.mkdir()
+    tiny_tokenizer(folder)
     (folder / "config.json").write_text("{}")
     header = json.dumps({"a.q_proj.weight": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]},
                          "b.norm.weight": {"dtype": "F32", "shape": [12], "data_offsets": [48, 96]}}).encode()

@@ -88,6 +88,7 @@ ROWS: list[tuple[str, Any, dict[str, dict[str, Any]], str, Any]] = [
     ("application.prompt_lookup_tokens", 5, GPU, "args", ["--speculative-config"]),
     ("application.draft", "/models/draft", GPU, "args", ["--speculative-config"]),
     ("application.draft_tokens", 3, {"hardware": {"device": "cuda"}, "application": {"draft": "/models/draft"}}, "args", ["--speculative-config"]),
+    ("application.chat_template", "none", {}, "client", None),  # fractal_opt renders the prompt and sends token ids
 ]
 
 

@@ -86,6 +86,7 @@ SAMPLES: dict[str, tuple[object, dict[str, object]]] = {
     "application.prompt_lookup_tokens": (10, {}),
     "application.draft": ("tiny-draft", {}),
     "application.draft_tokens": (3, {"application.draft": "tiny-draft"}),
+    "application.chat_template": ("none", {}),
 }
 
 

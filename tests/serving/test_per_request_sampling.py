@@ -106,9 +106,9 @@ class _LlamaHandle:
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
 
-    def handle_chat_completions(self, body: dict[str, Any], callback: Any) -> dict[str, Any]:
+    def handle_completions(self, body: dict[str, Any], callback: Any) -> dict[str, Any]:
         self.bodies.append(body)
-        callback({"choices": [{"delta": {"content": " x"}, "logprobs": {"content": [{"id": 7}]}, "finish_reason": "length"}]})
+        callback({"choices": [{"text": " x", "logprobs": {"content": [{"id": 7}]}, "finish_reason": "length"}]})
         return {}
 
 
@@ -121,6 +121,7 @@ def test_llama_cpp_receives_each_requests_own_sampling(monkeypatch):
     handle = _LlamaHandle()
     settings = ServerSettings(model_path="m.gguf", threads=1, slots=2, kv_tokens=1024, unified=True, cache_type="f16")
     engine = llama_engine.LlamaCppEngine(Plan(source="m.gguf", hardware=HardwarePlan(runtime="llama_cpp")), handle, settings)
+    monkeypatch.setattr(engine, "prompt_ids", lambda request: [1, 2, 3])  # no tokenizer behind m.gguf: the ids are not what this checks
     with engine.server(seed=4) as server:
         for sampling in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 5}, {"temperature": 0.8}):
             assert server.submit("hi", max_new_tokens=1, **sampling).result(timeout=10).text == " x"

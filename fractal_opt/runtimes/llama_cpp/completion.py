@@ -1,8 +1,10 @@
-"""One chat completion on a llama.cpp server, read chunk by chunk, with a clock reading per token.
+"""One completion on a llama.cpp server, read chunk by chunk, with a clock reading per token.
 
-``server.handle_chat_completions(body, callback)`` (xllamacpp's in-process server, or the
-llama-server child's transport, :mod:`.process`) blocks the calling thread and calls ``callback``
-with one OpenAI-style chunk per streamed token. :func:`complete_chat` turns those chunks into an
+The prompt arrives as token ids, rendered once by fractal_opt (:mod:`fractal_opt.weights.prompts`),
+so llama.cpp never applies a chat template of its own. ``server.handle_completions(body, callback)``
+(xllamacpp's in-process server, or the llama-server child's transport, :mod:`.process`: both
+llama.cpp's ``/v1/completions``) blocks the calling thread and calls ``callback`` with one
+OpenAI-style chunk per streamed token. :func:`complete` turns those chunks into an
 :class:`Answer`: the text, the token ids and when each reached Python (that is when a caller
 could see it), llama.cpp's own timings, and its errors as fractal_opt's. :func:`stream_text` runs
 such a completion on a thread of its own and yields its text as it arrives.
@@ -20,7 +22,7 @@ from typing import Any
 from ...core.errors import EngineError, RequestRejected
 from ...serving.sampling import Decoding
 
-__all__ = ["Answer", "OnTokens", "complete_chat", "sampling_fields", "stream_text"]
+__all__ = ["Answer", "OnTokens", "complete", "sampling_fields", "stream_text"]
 
 # A token-callback returns True to stop the request (llama.cpp then frees the slot).
 OnTokens = Callable[[list[int], list[float], str], bool]
@@ -72,7 +74,7 @@ class _Reader:
         choice = chunk["choices"][0]
         if choice.get("finish_reason"):
             self.answer.finish_reason, self.t_finish = choice["finish_reason"], now
-        text = (choice.get("delta") or {}).get("content") or ""
+        text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""  # completions' "text" (a chat chunk's delta.content)
         ids = [int(t["id"]) for t in ((choice.get("logprobs") or {}).get("content") or [])]
         if not ids and not text:
             return False
@@ -92,9 +94,9 @@ class _Reader:
             self.on_tokens([self.eos_id], [self.t_finish], "")
 
 
-def complete_chat(server: Any, body: dict[str, Any], *, request_id: str, eos_id: int | None, on_tokens: OnTokens | None,
-                  context_per_request: int) -> Answer:
-    """Run one chat request ``body`` on ``server`` to its end, on the calling thread.
+def complete(server: Any, body: dict[str, Any], *, request_id: str, eos_id: int | None, on_tokens: OnTokens | None,
+             context_per_request: int) -> Answer:
+    """Run one completion request ``body`` (its ``prompt``: token ids) on ``server`` to its end, on the calling thread.
 
     ``on_tokens(ids, times, text)`` is called as tokens arrive; returning True stops the
     request. A chunk normally holds one token; llama.cpp holds back a token that ends inside a
@@ -106,7 +108,7 @@ def complete_chat(server: Any, body: dict[str, Any], *, request_id: str, eos_id:
         EngineError: llama.cpp reported another error.
     """
     reader = _Reader(eos_id=eos_id, on_tokens=on_tokens)
-    result = server.handle_chat_completions(body, reader)
+    result = server.handle_completions(body, reader)
     reader.answer.t_done = time.perf_counter()
     if isinstance(result, dict) and "error" in result:
         reader.errors.append(result["error"])

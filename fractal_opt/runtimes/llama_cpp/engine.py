@@ -1,10 +1,11 @@
 """LlamaCppEngine: the Engine protocol on llama.cpp's server, in this process through ``xllamacpp``,
 or as a ``llama-server`` child process when the plan names one (``hardware.runtime_path``, :mod:`.process`).
 
-``xllamacpp.Server`` is llama.cpp's HTTP server without the HTTP: ``handle_chat_completions(body,
+``xllamacpp.Server`` is llama.cpp's HTTP server without the HTTP: ``handle_completions(body,
 callback)`` blocks the calling thread while llama.cpp's own loop (continuous batching over
-``n_parallel`` slots, the GGUF's chat template) produces the answer, and calls ``callback`` with
-one OpenAI-style chunk per streamed token. The server is thread-safe, so concurrency is one
+``n_parallel`` slots) produces the answer to a token-id prompt (rendered once by fractal_opt from
+the model's own template, :mod:`fractal_opt.weights.prompts`: llama.cpp applies no chat template of
+its own), and calls ``callback`` with one OpenAI-style chunk per streamed token. The server is thread-safe, so concurrency is one
 calling thread per slot (:mod:`.server`). The clock is read in the callback, the moment a token
 reaches Python: that is when a caller could see it.
 
@@ -43,12 +44,14 @@ from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_re
 from ...serving.sampling import Decoding
 from ...tower.plan import Plan
 from ...weights.models import resolve
+from ...weights.prompts import prompt_format, prompt_ids
+from ...weights.tokenizers import load_tokenizer
 from ...workloads.workload import Request
 from . import logprobs
 from .census import eos_token_id, gguf_census
-from .completion import Answer, OnTokens, complete_chat, sampling_fields, stream_text
+from .completion import Answer, OnTokens, complete, sampling_fields, stream_text
+from .model_file import model_file, source_problem
 from .process import LlamaServerProcess
-from .requantize import model_file
 from .settings import ServerSettings, common_params, refusals, request_body, server_settings
 
 __all__ = ["LlamaCppEngine", "clear_cache", "evict_except"]
@@ -76,6 +79,7 @@ class LlamaCppEngine(Engine):
         self.default_max_new_tokens = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         self.eos_id = eos_token_id(settings.model_path)
         self._tokenizer: Any = None
+        self._format: Any = None  # the prompt format (weights/prompts.py), read with the tokenizer
 
     # ------------------------------------------------------------------ measurement's needs
     # clock_sync stays the protocol's None: a token reaches the callback only once computed.
@@ -98,29 +102,32 @@ class LlamaCppEngine(Engine):
 
     @property
     def tokenizer(self) -> Any:
-        """A Hugging Face tokenizer read from the GGUF (transformers' GGUF loader; loaded on first
-        use, ~2-6 s), for callers that need token ids of a text (the quality probes' reference).
-
-        xllamacpp exposes no tokenize call; llama.cpp tokenizes prompts itself, so serving never
-        needs this.
+        """The model's transformers tokenizer (:func:`fractal_opt.weights.tokenizers.load_tokenizer`:
+        a folder's own, or a GGUF's saved once under the cache), which renders every prompt
+        (:meth:`prompt_ids`) and the quality probes' reference text.
 
         Raises:
-            EngineError: transformers is not installed.
+            EngineError: transformers is not installed, or a hub id is not in the local cache.
         """
         if self._tokenizer is None:
-            self._tokenizer = _gguf_tokenizer(self.settings.model_path)
+            self._tokenizer = load_tokenizer(resolve(self.plan.source))
+            self._format = prompt_format(self._tokenizer, self.plan.application.chat_template)
         return self._tokenizer
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        """The token ids llama.cpp receives for ``request`` (weights/prompts.py: rendered once, the same on every runtime)."""
+        tokenizer = self.tokenizer
+        return prompt_ids(tokenizer, self._format, request.as_messages())
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def refuse(cls, plan: Plan) -> str | None:
         """Why llama.cpp cannot serve ``plan``: its model source, then every unmapped field."""
         reasons = refusals(plan)
-        source = resolve(plan.source)  # names and paths only; raises for a missing model
-        if source.kind in ("local", "hub"):
-            # A maintained HF -> GGUF converter is llama.cpp's convert_hf_to_gguf.py, which is not
-            # on PyPI (the gguf package only reads and edits GGUF files).
-            reasons.insert(0, f"source={plan.source!r}: llama.cpp loads GGUF files; convert this {source.kind} model with llama.cpp's convert_hf_to_gguf.py and give the .gguf path")
+        # The weights: a folder converted by llama.cpp's converter, a type of the weight ladder
+        # (headers and config.json only: nothing converts here).
+        if (problem := source_problem(plan)) is not None:
+            reasons.insert(0, problem)
         return "; ".join(reasons) if reasons else None
 
     @classmethod
@@ -134,9 +141,8 @@ class LlamaCppEngine(Engine):
         reason = cls.refuse(plan)
         if reason:
             raise EngineError(f"the llama_cpp runtime cannot serve this plan: {reason}")
-        source = resolve(plan.source)
         cores = machine.physical_cores if machine is not None else _physical_cores()  # the count when the plan pins none (settings.server_settings)
-        settings = server_settings(plan, str(model_file(plan, source.path, progress=progress)), physical_cores=cores)
+        settings = server_settings(plan, str(model_file(plan, progress=progress)), physical_cores=cores)
         start = _starter(settings)
         if settings not in _SERVERS:
             where = f"a llama-server process ({settings.executable})" if settings.executable else "llama.cpp in this process"
@@ -201,7 +207,8 @@ class LlamaCppEngine(Engine):
 
     def complete(self, request: Request, *, budget: int, seed: int = 0, ignore_eos: bool = False, on_tokens: OnTokens | None = None,
                  decoding: Decoding | None = None, stop: Sequence[str] = ()) -> Answer:
-        """Run one chat request to its end on the calling thread (llama.cpp picks a free slot).
+        """Run one request to its end on the calling thread (llama.cpp picks a free slot); the
+        prompt goes as the token ids :meth:`prompt_ids` renders, the same every runtime receives.
 
         ``decoding``: the request's own sampling (``Server.decoding(ticket)``) instead of the
         plan's; llama.cpp takes sampling with every request, so nothing else changes. ``stop``: the
@@ -219,7 +226,7 @@ class LlamaCppEngine(Engine):
         """
         if self.model is None:
             raise EngineError("the engine is closed: build a new one with LlamaCppEngine.build(plan)")
-        body = request_body(self.plan, request.as_messages(), budget=budget, seed=seed, ignore_eos=ignore_eos)
+        body = request_body(self.plan, self.prompt_ids(request), budget=budget, seed=seed, ignore_eos=ignore_eos)
         if decoding is not None:
             body.update(sampling_fields(decoding, seed))
         if stop:
@@ -227,7 +234,7 @@ class LlamaCppEngine(Engine):
         # The end-of-sequence token is counted only without stop strings: a stop string's tokens
         # are decoded but held back too, so llama.cpp's count would not tell them apart.
         eos = None if stop or self.plan.application.stop else self.eos_id
-        return complete_chat(self.model, body, request_id=request.id, eos_id=eos, on_tokens=on_tokens, context_per_request=self.settings.context_per_request)
+        return complete(self.model, body, request_id=request.id, eos_id=eos, on_tokens=on_tokens, context_per_request=self.settings.context_per_request)
 
     def _generation(self, request: Request, answer: Answer, t_submit: float) -> Generation:
         return Generation(
@@ -255,7 +262,7 @@ class LlamaCppEngine(Engine):
             RequestRejected: ``input_ids`` is longer than the context per request.
             EngineError: the engine is closed, or llama.cpp failed at a position.
         """
-        return logprobs.top_logprobs(self._scoring_server(input_ids), [int(t) for t in input_ids], k=k)
+        return logprobs.top_logprobs(self._scoring_server(input_ids), [int(t) for t in input_ids], k=k, safe_token=self._safe_token())
 
     def token_logprobs(self, input_ids: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[dict[int, float]]:
         """Exact teacher-forced log-probabilities of the chosen ``tokens[j]`` after
@@ -265,7 +272,16 @@ class LlamaCppEngine(Engine):
             RequestRejected: ``input_ids`` is longer than the context per request.
             EngineError: the engine is closed, or llama.cpp failed at a position.
         """
-        return logprobs.token_logprobs(self._scoring_server(input_ids), [int(t) for t in input_ids], tokens)
+        return logprobs.token_logprobs(self._scoring_server(input_ids), [int(t) for t in input_ids], tokens, safe_token=self._safe_token())
+
+    def _safe_token(self) -> int | None:
+        """A token that is whole text on its own (the first of "a"), which llama.cpp always reports
+        probabilities with (:mod:`.logprobs`); None without a tokenizer."""
+        try:
+            ids = self.encode("a")
+        except Exception:  # noqa: BLE001 (no tokenizer here: the probes still run, without the retry's bias)
+            return None
+        return ids[0] if ids else None
 
     def _scoring_server(self, input_ids: Sequence[int]) -> Any:
         if self.model is None:
@@ -274,22 +290,6 @@ class LlamaCppEngine(Engine):
             raise RequestRejected(f"{len(input_ids)} tokens to score exceed the context per request ({self.settings.context_per_request}); "
                                   "pass a shorter text or raise context_cap")
         return self.model
-
-
-_TOKENIZERS: dict[str, Any] = {}
-
-
-def _gguf_tokenizer(path: str) -> Any:
-    if path not in _TOKENIZERS:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            raise EngineError("token ids of a text need transformers (pip install transformers): xllamacpp exposes no tokenizer") from None
-        from pathlib import Path
-
-        p = Path(path)
-        _TOKENIZERS[path] = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    return _TOKENIZERS[path]
 
 
 class _Resident:
@@ -332,11 +332,9 @@ class _Resident:
         server = entry[0] if entry is not None else None
         return server.health() if isinstance(server, LlamaServerProcess) else None
 
-    def handle_chat_completions(self, body: dict[str, Any], callback: Callable[[dict[str, Any]], bool]) -> Any:
-        return self.server().handle_chat_completions(body, callback)
-
-    def handle_completions(self, body: dict[str, Any]) -> Any:
-        return self.server().handle_completions(body)
+    def handle_completions(self, body: dict[str, Any], callback: Callable[[dict[str, Any]], bool] | None = None) -> Any:
+        server = self.server()
+        return server.handle_completions(body) if callback is None else server.handle_completions(body, callback)
 
 
 def _starter(settings: ServerSettings) -> Callable[[ServerSettings], Any]:

@@ -4,7 +4,7 @@ The default transport is xllamacpp's server in this process (:mod:`.engine`). A 
 ``hardware.runtime_path`` runs a ``llama-server`` executable instead, as a child process on a
 loopback port, and sends it the same request bodies over HTTP: the two are the same C++ server
 (xllamacpp compiles llama.cpp's ``tools/server``), so :class:`LlamaServerProcess` answers the two
-calls the engine makes, ``handle_chat_completions(body, callback)`` and ``handle_completions(body)``,
+calls the engine makes, ``handle_completions(body, callback)`` streamed and ``handle_completions(body)``,
 with the same chunks, and everything above them (slots, clocks, quality probes) is unchanged.
 
 Why a second transport: the xllamacpp wheel is built for any x86-64 CPU (its CPU backend reports
@@ -171,11 +171,24 @@ class LlamaServerProcess:
             return EngineError(f"{what} (llama-server {child.pid} still runs; its log: {child.log_path})")
         return EngineError(f"{what} (llama-server exited with status {child.proc.returncode})\nits log ends:\n{child.log_tail()}")
 
-    def handle_chat_completions(self, body: dict[str, Any], callback: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
-        """Stream one chat completion, calling ``callback`` with every chunk (as xllamacpp does);
-        ``callback`` returning True ends the request: closing the connection makes llama-server
-        cancel it and free its slot. Returns ``{"error": ...}`` when llama-server refused it."""
-        conn, response = self._post("/v1/chat/completions", body)
+    def handle_completions(self, body: dict[str, Any], callback: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any] | None:
+        """One ``/v1/completions`` request: with ``callback``, streamed chunk by chunk (as xllamacpp
+        does; ``callback`` returning True ends the request); without, the whole answer. Returns
+        ``{"error": ...}`` when llama-server refused it."""
+        if callback is not None:
+            return self._stream("/v1/completions", {**body, "stream": True}, callback)
+        conn, response = self._post("/v1/completions", body)
+        try:
+            return _error(response) if response.status != 200 else json.loads(response.read())
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise self._failure(f"the answer from llama-server broke: {type(e).__name__}: {e}") from e
+        finally:
+            conn.close()
+
+    def _stream(self, path: str, body: dict[str, Any], callback: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        """Call ``callback`` with every chunk of a streamed answer; ``callback`` returning True ends
+        the request: closing the connection makes llama-server cancel it and free its slot."""
+        conn, response = self._post(path, body)
         ended = False  # [DONE], an error event, or the caller's cancel: the stream ended as llama-server meant
         try:
             if response.status != 200:
@@ -200,16 +213,6 @@ class LlamaServerProcess:
         if not ended:  # the connection closed cleanly but early: the server went away mid-answer
             raise self._failure("llama-server closed the stream before its end ([DONE])")
         return None
-
-    def handle_completions(self, body: dict[str, Any]) -> dict[str, Any]:
-        """One non-streamed ``/v1/completions`` answer, or ``{"error": ...}``."""
-        conn, response = self._post("/v1/completions", body)
-        try:
-            return _error(response) if response.status != 200 else json.loads(response.read())
-        except (OSError, http.client.HTTPException, ValueError) as e:
-            raise self._failure(f"the answer from llama-server broke: {type(e).__name__}: {e}") from e
-        finally:
-            conn.close()
 
 
 def _started(argv: list[str], env: dict[str, str], port: int, timeout_s: float) -> ServerProcess:

@@ -5,7 +5,7 @@ llama.cpp already schedules: each of its ``n_parallel`` slots holds one request,
 its loop decodes one token for every busy slot and prefills newly arrived prompts. What this
 module adds is the fractal_opt contract around it: the worker admits queued tickets while fewer
 than ``slots`` run, each admitted ticket runs on a thread of its own that blocks inside
-``handle_chat_completions`` (xllamacpp is thread-safe), and its tokens reach the ticket through
+``handle_completions`` (xllamacpp is thread-safe), and its tokens reach the ticket through
 ``_add`` as they stream. A cancelled or timed-out ticket makes its callback return True at the next
 token, which stops the request and frees its slot in llama.cpp.
 """

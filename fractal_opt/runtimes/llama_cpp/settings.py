@@ -26,7 +26,8 @@ from ...engine.capabilities import refusals as table_refusals
 from ...tower.batch_sizes import N_BATCH_DEFAULT, N_UBATCH_DEFAULT, batch_problems
 from ...tower.plan import Plan
 from .process import executable_problem, resolve_executable
-from .requantize import DTYPE_TARGETS, GGUF_BITS
+from ...weights.ladder import GGUF_METHODS
+from .model_file import DTYPE_TYPES
 
 __all__ = ["KV_CACHE_TYPES", "N_BATCH_DEFAULT", "N_UBATCH_DEFAULT", "REFUSALS", "ServerSettings", "batch_problems", "common_params", "describe", "refusals", "request_body", "server_settings"]
 
@@ -43,8 +44,8 @@ KV_BYTES_PER_VALUE: dict[str, float] = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 
 # four; 4096 holds the default suite's longest prompt (~600 tokens) plus any budget it asks for.
 DEFAULT_KV_TOKENS = 4096
 KV_TOKENS_PER_SLOT = 1024
-# (quant_method, weight_bits) pairs the gguf backend writes (requantize.py).
-GGUF_METHOD_BITS = tuple(GGUF_BITS.items())
+# (quant_method, weight_bits) pairs the gguf backend writes (fractal_opt/weights/ladder.py).
+GGUF_METHOD_BITS = tuple(GGUF_METHODS.items())
 
 
 
@@ -91,7 +92,7 @@ def _gguf(plan: Plan) -> bool:
 
 
 def _dtype_unmapped(plan: Plan) -> bool:
-    return plan.hardware.dtype != "float32" and plan.hardware.dtype not in DTYPE_TARGETS
+    return plan.hardware.dtype != "float32" and plan.hardware.dtype not in DTYPE_TYPES
 
 
 def _batch_rows(name: str) -> tuple[Refusal, ...]:
@@ -129,8 +130,8 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("hardware.offload_folder", lambda p: p.hardware.offload_folder is not None, f"{_ACCELERATE}; llama.cpp runs the whole model on the CPU here"),
     Refusal("hardware.max_memory", lambda p: bool(p.hardware.max_memory), _ACCELERATE),
     Refusal("hardware.dtype", _dtype_unmapped, "llama.cpp computes in the GGUF's stored weight types; the dtypes it maps (a copy of the GGUF in that "
-            f"type) are {['float32', *DTYPE_TARGETS]}"),
-    Refusal("hardware.dtype", lambda p: not _dtype_unmapped(p) and p.hardware.dtype in DTYPE_TARGETS and _gguf(p), lambda p: (
+            f"type) are {['float32', *DTYPE_TYPES]}"),
+    Refusal("hardware.dtype", lambda p: not _dtype_unmapped(p) and p.hardware.dtype in DTYPE_TYPES and _gguf(p), lambda p: (
         f"hardware.dtype={p.hardware.dtype!r}: the GGUF is rewritten in one weight type, and the plan also re-quantizes it to "
         f"{p.model.quant_method} (quantize pass, backend gguf): keep one of the two")),
     Refusal("hardware.attention", lambda p: p.hardware.attention != "sdpa",
@@ -150,7 +151,7 @@ REFUSALS: tuple[Refusal, ...] = (
             f"the gguf backend writes {', '.join(f'{q} ({b} bits)' for q, b in GGUF_METHOD_BITS)}"),
     Refusal("model.weight_bits", lambda p: not _gguf(p) and (p.model.weight_bits is not None or p.model.quant_backend is not None or p.model.quant_method is not None),
             lambda p: (f"model.weight_bits={p.model.weight_bits!r}: llama.cpp serves a GGUF file: the {p.model.quant_backend or 'no'} backend quantizes "
-                       "transformers models; re-quantize the GGUF with the quantize pass's backend: gguf (q8_0 / q4_0) instead")),
+                       f"transformers models; quantize the GGUF with the quantize pass's backend: gguf ({' / '.join(GGUF_METHODS)}) instead")),
     *(Refusal(f"model.{name}", lambda p, n=name: getattr(p.model, n) is not None, "a transformers quantization parameter; ggml's block types fix their own layout")
       for name in ("quant_group_size", "quant_sensitivity_max_kl")),
     Refusal("model.quant_skip", _quant_skip_refused, "a transformers quantization parameter; the gguf backend keeps the output head (skip: [lm_head]) or nothing"),
@@ -247,7 +248,7 @@ def common_params(settings: ServerSettings) -> Any:
     # makes (its port 0 meant a random loopback port that answered /v1/chat/completions, /slots and
     # /props to anyone on the host, past serve's key, queue and metrics). It needs one listener, so
     # it gets a Unix socket in a folder only this user may enter, and a random key nobody is told;
-    # this process calls the server directly (handle_chat_completions), never through it.
+    # this process calls the server directly (handle_completions), never through it.
     p.hostnames = [_private_socket()]
     p.api_keys = [secrets.token_urlsafe(32)]
     p.endpoint_slots = False
@@ -279,15 +280,16 @@ def _remove_socket_dir(folder: str, owner: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def request_body(plan: Plan, messages: list[dict[str, str]], *, budget: int, seed: int, ignore_eos: bool) -> dict[str, Any]:
-    """The chat-completion request for ``messages``: decoding as ``plan.application`` says.
+def request_body(plan: Plan, prompt: list[int], *, budget: int, seed: int, ignore_eos: bool) -> dict[str, Any]:
+    """The completion request for ``prompt`` (token ids, rendered by fractal_opt: weights/prompts.py):
+    decoding as ``plan.application`` says.
 
     Every sampling field is sent, even at its neutral value, because llama.cpp's own defaults
     differ from transformers' (top_k 40, top_p 0.95, min_p 0.05, temperature 0.8).
     """
     app = plan.application
     body: dict[str, Any] = {
-        "messages": messages,
+        "prompt": prompt,
         "max_tokens": budget,
         "stream": True,
         "stream_options": {"include_usage": True},  # the last chunk carries usage.prompt_tokens

@@ -33,10 +33,10 @@ _DRAFTS: dict[tuple, Any] = {}
 class AppRuntime:
     """Serving-time state for ``plan.application`` (see the module docstring)."""
 
-    def __init__(self, plan: Plan, tokenizer: Any):
+    def __init__(self, plan: Plan, tokenizer: Any, prompt_format: Any = None):
         self.plan = plan
         self.app = plan.application
-        self.tokens = HFTokens(tokenizer)
+        self.tokens = HFTokens(tokenizer, prompt_format)
         self.cache: ResponseCache | None = None
         if self.app.response_cache:
             self.cache = ResponseCache(mode=self.app.response_cache, max_entries=self.app.cache_max_entries, ttl_s=self.app.cache_ttl_s, threshold=self.app.cache_threshold)

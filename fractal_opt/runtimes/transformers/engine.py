@@ -32,6 +32,7 @@ from ...engine.capabilities import refusals
 from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
 from ...serving.server import Server, serve_all
 from ...tower.plan import Plan
+from ...weights.prompts import prompt_format, prompt_ids
 from ...workloads.workload import Request
 from .app import AppRuntime, trim_stop
 from .capabilities import REFUSALS
@@ -87,7 +88,9 @@ class TransformersEngine(Engine):
         self.load_s = load_s  # seconds spent loading (0 when the weights came from the cache)
         self.default_max_new_tokens = max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         self._lock = threading.Lock()  # one generate() at a time on the shared model
-        self.app = AppRuntime(plan, tokenizer)  # prompt budget, response cache, draft model
+        # How a request becomes token ids, the same on every runtime (weights/prompts.py).
+        self.prompt_format = prompt_format(tokenizer, plan.application.chat_template) if tokenizer is not None else None
+        self.app = AppRuntime(plan, tokenizer, self.prompt_format)  # prompt budget, response cache, draft model
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -168,6 +171,10 @@ class TransformersEngine(Engine):
     def encode(self, text: str) -> list[int]:
         """The tokenizer's ids for ``text``, no special tokens added."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        """The token ids the model receives for ``request`` (weights/prompts.py: rendered once, the same on every runtime)."""
+        return prompt_ids(self.tokenizer, self.prompt_format, request.as_messages())
 
     # ------------------------------------------------------------------ what this runtime can do
     @classmethod
@@ -273,12 +280,12 @@ class TransformersEngine(Engine):
     # ------------------------------------------------------------------ what this runtime's servers use
     def encode_prompts(self, requests: Sequence[Request]) -> Encoded:
         """The requests' prompts, chat template and prompt budget applied, as one left-padded batch on the model's device."""
-        texts, saved = [], []
+        ids, saved = [], []
         for request in requests:
             fitted, n = self.app.fit_counted(request)  # the plan's prompt budget (a no-op without one)
-            texts.append(self._render(fitted))
+            ids.append(self.prompt_ids(fitted))
             saved.append(n)
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt", padding=True)  # left-padded (loading.py)
         inputs = {k: v.to(self.model.device) for k, v in enc.items()}
         prompt_tokens = [int(n) for n in enc["attention_mask"].sum(dim=1).tolist()]  # padding excluded
         return Encoded(inputs=inputs, prompt_tokens=prompt_tokens, saved=saved)
@@ -326,12 +333,6 @@ class TransformersEngine(Engine):
                 # the DynamicCache grows in place, chunk after chunk.
                 out = self.model(input_ids=ids, cache=cache, use_cache=True)
                 yield torch.log_softmax(out.logits[0].float(), dim=-1).cpu()
-
-    # ------------------------------------------------------------------ internals
-    def _render(self, request: Request) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(request.as_messages(), add_generation_prompt=True, tokenize=False)
-        return "\n".join(content for _, content in request.messages)
 
 
 @dataclass(frozen=True)

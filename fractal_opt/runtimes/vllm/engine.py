@@ -29,6 +29,8 @@ from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_re
 from ...tower.plan import Plan
 from ...weights.model_headers import safetensors_header
 from ...weights.models import materialize, resolve
+from ...weights.prompts import prompt_format, prompt_ids
+from ...weights.tokenizers import load_tokenizer
 from ...workloads.workload import Request
 from . import cache
 from .engine_args import _CONTINUOUS_DEFAULT_IN_FLIGHT, engine_args, refusals, sampling, server_env
@@ -56,6 +58,22 @@ class VllmEngine(Engine):
         self.model: str | None = client.base_url  # None once closed; the Server base checks it
         s = plan.scheduling
         self.max_num_seqs = 1 if s.batching == "sequential" else s.max_concurrency or _CONTINUOUS_DEFAULT_IN_FLIGHT
+        self._tokenizer: Any = None
+        self._format: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's transformers tokenizer, read in this process (the one vLLM loads from the same
+        files): it renders every prompt (:meth:`prompt_ids`)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(resolve(self.plan.source))
+            self._format = prompt_format(self._tokenizer, self.plan.application.chat_template)
+        return self._tokenizer
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        """The token ids vLLM receives for ``request`` (weights/prompts.py: rendered once, the same on every runtime)."""
+        tokenizer = self.tokenizer
+        return prompt_ids(tokenizer, self._format, request.as_messages())
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -141,7 +159,7 @@ class VllmEngine(Engine):
         """Yield the answer's text piece by piece as vLLM streams it."""
         self._check_open()
         request = as_request(prompt)
-        stream = self.client.stream_chat(request.as_messages(), sampling(self.plan, self.budget(max_new_tokens)))
+        stream = self.client.stream_completion(self.prompt_ids(request), sampling(self.plan, self.budget(max_new_tokens)))
         try:
             for chunk in stream:
                 if chunk.text:

@@ -95,6 +95,7 @@ FIELDS: dict[str, str] = {
     "application.prompt_lookup_tokens": "arg",
     "application.draft": "arg",
     "application.draft_tokens": "arg",
+    "application.chat_template": "client",  # fractal_opt renders the prompt and sends token ids (weights/prompts.py)
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")

@@ -1,13 +1,13 @@
 """A minimal client of an OpenAI-compatible server (vLLM's), on the standard library only.
 
 Why not the ``openai`` package or httpx: the runtime needs exactly three calls (list models,
-stream a chat completion, one completion with prompt log-probabilities), a clock reading taken
+stream a completion of a token-id prompt, one completion with prompt log-probabilities), a clock reading taken
 the moment each streamed chunk arrives, and a way for another thread to cut a stream short
 (cancel); ``http.client`` gives all three with no dependency in the project's environment.
 
 Example:
     >>> client = OpenAIClient("http://127.0.0.1:8000")               # doctest: +SKIP
-    >>> for chunk in client.stream_chat(messages, {"max_tokens": 8}):  # doctest: +SKIP
+    >>> for chunk in client.stream_completion([1, 9690, 198], {"max_tokens": 8}):  # doctest: +SKIP
     ...     print(chunk.text, chunk.t)
 """
 
@@ -96,6 +96,8 @@ def _parse(event: dict[str, Any], now: float) -> Chunk | None:
         raise EngineError(f"the OpenAI server sent an error in the stream: {event['error']}")
     chunk = Chunk(t=now, usage=event.get("usage"), prompt_token_ids=event.get("prompt_token_ids"))
     for choice in event.get("choices") or ():
+        if choice.get("prompt_token_ids") is not None:  # a completions stream names them in its first choice
+            chunk.prompt_token_ids = choice["prompt_token_ids"]
         delta = choice.get("delta") or {}
         chunk.text += delta.get("content") or choice.get("text") or ""
         chunk.token_ids.extend(choice.get("token_ids") or delta.get("token_ids") or ())
@@ -168,11 +170,12 @@ class OpenAIClient:
             self.model = str(served[0]["id"])
         return self.model
 
-    def stream_chat(self, messages: list[dict[str, str]], params: dict[str, Any]) -> Stream:
-        """Open a streaming ``/v1/chat/completions``; returns once the server accepted it."""
-        body = {"model": self.resolve_model(), "messages": messages, "stream": True,
+    def stream_completion(self, prompt: list[int], params: dict[str, Any]) -> Stream:
+        """Open a streaming ``/v1/completions`` of a token-id ``prompt`` (rendered by fractal_opt:
+        the server applies no chat template of its own); returns once the server accepted it."""
+        body = {"model": self.resolve_model(), "prompt": prompt, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True, **params}
-        return Stream(*self._request("POST", "/v1/chat/completions", body))
+        return Stream(*self._request("POST", "/v1/completions", body))
 
     def wait_ready(self, *, timeout_s: float, alive: Any = None, poll_s: float = 0.5) -> float:
         """Poll ``/v1/models`` until it answers; returns the seconds waited.

@@ -4,7 +4,7 @@ streams to a vLLM server, which does the continuous batching itself.
 The worker admits queued tickets while fewer than ``in_flight`` run (the plan's limit, never more
 than vLLM's ``--max-num-seqs``, so no request waits inside vLLM where this server can neither time
 it out nor see it queued). Each admitted ticket runs on a thread of its own holding one streaming
-``/v1/chat/completions``; each chunk's token ids reach the ticket through ``_add`` with the clock
+``/v1/completions`` of the token ids fractal_opt rendered (weights/prompts.py); each chunk's token ids reach the ticket through ``_add`` with the clock
 reading taken when the chunk arrived. A cancelled or timed-out ticket closes its connection, which
 makes vLLM abort the request and free its KV-cache blocks.
 """
@@ -43,7 +43,7 @@ class VllmServer(SlotServer):
         if not ticket.sampling.empty:  # the request's own temperature / top_p / seed, over the plan's
             params.update(sampling_fields(self.decoding(ticket), self.seed))
         try:
-            stream = self.engine.client.stream_chat(ticket.request.as_messages(), params)
+            stream = self.engine.client.stream_completion(self.engine.prompt_ids(ticket.request), params)
             with self._streams_lock:
                 self._streams[ticket.key] = stream
             if ticket.finished:  # cancelled while the request was being sent

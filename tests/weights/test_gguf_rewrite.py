@@ -56,7 +56,7 @@ def test_requantize_writes_q4_0_blocks_keeps_head_norms_and_metadata(embedded, c
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    from fractal_opt.runtimes.llama_cpp.requantize import requantize
+    from fractal_opt.weights.gguf_rewrite import requantize
 
     said: list[str] = []
     out = requantize(embedded, "q4_0", progress=said.append)
@@ -90,7 +90,7 @@ def test_requantize_head_too_when_asked(embedded, cache):
     """keep_head=False (skip: []) re-quantizes the tied embedding / head as well, into its own cache entry."""
     from gguf import GGMLQuantizationType as Q
 
-    from fractal_opt.runtimes.llama_cpp.requantize import requantize
+    from fractal_opt.weights.gguf_rewrite import requantize
 
     kept, whole = requantize(embedded, "q4_0", progress=lambda m: None), requantize(embedded, "q4_0", keep_head=False, progress=lambda m: None)
     assert kept != whole
@@ -152,7 +152,7 @@ def test_llama_server_export_loads_the_requantized_file(embedded, cache):
     """The llama-server command of a q4_0 plan names the converted file, so the weights carry over;
     a model that is not a local GGUF gets the command to make the file on the target instead."""
     from fractal_opt.export import export
-    from fractal_opt.runtimes.llama_cpp.requantize import requantized_path
+    from fractal_opt.weights.gguf_rewrite import requantized_path
 
     plan = Quantize.from_params({"bits": 4}).apply(LLAMA)
     out = export(plan, "llama-server")
@@ -161,4 +161,4 @@ def test_llama_server_export_loads_the_requantized_file(embedded, cache):
     assert not any(name.startswith("model.") for name, _, _ in out.lost), out.lost
     elsewhere = export(plan, "llama-server", model_path="/srv/models/smollm2.gguf")
     (why,) = {why for name, _, why in elsewhere.lost if name == "model.weight_bits"}
-    assert "python -m fractal_opt.runtimes.llama_cpp.requantize MODEL.gguf --type q4_0" in why
+    assert "python -m fractal_opt.weights.gguf_rewrite MODEL.gguf --type q4_0" in why

@@ -1,24 +1,22 @@
-"""Re-quantize a GGUF file to another ggml block type with the ``gguf`` package (llama.cpp's own Python library).
+"""A GGUF file rewritten in another ggml type with the ``gguf`` package (llama.cpp's own Python
+library): the weight ladder's writer when llama.cpp's ``llama-quantize`` is not built here
+(:mod:`.ladder` prefers that tool), and the widening of a quantized GGUF to a 16-bit float type.
 
-The embedded SmolLM2 GGUF stores its blocks in Q4_1, which llama.cpp's CPU build here multiplies
-without its fast paths: prefill ran at 179 prompt tokens/s, against 430 for a Q4_0 copy (repacked
-at load for the CPU) and 307 for Q8_0 (benchmarks/gguf_types.py on a 2-core Intel Xeon VM, 2026-12-01; docs/runtimes.md). llama.cpp's own ``llama-quantize`` is a C++
-tool that no wheel on the registry ships, so the conversion uses ``gguf.quants`` (numpy
-dequantize / quantize for every ggml type, maintained in llama.cpp's repository) and
-``GGUFWriter``; only the copy loop is written here.
+``gguf.quants`` dequantizes and quantizes every ggml block type in numpy (maintained in
+llama.cpp's repository) and ``GGUFWriter`` writes the file; only the copy loop is written here.
 
 What changes: every tensor in a block-quantized type other than the target is dequantized and
 quantized again to the target. Full-precision tensors (norms) keep their type, and so does the
 output head (``output.weight``, or ``token_embd.weight`` when the head is tied to the embedding,
 as in SmolLM2, whose head is Q8_0) unless ``keep_head`` is False. Re-quantizing adds the
-target type's rounding on top of the source's: Q8_0 from Q4_1 is close to exact, Q4_0 from Q4_1
-is a second 4-bit rounding, so the pipeline's quality guards judge it like any quantization.
+target type's rounding on top of the source's, so the pipeline's quality guards judge it like any
+quantization.
 
-The result is cached next to the safetensors conversions (``fractal_opt.weights.models.cache_dir()``),
-keyed by the source file (path, size, mtime) and the options, and written to a temporary file
-that is renamed into place, so an interrupted conversion never leaves a broken cache entry.
+The result is cached next to the conversions (``fractal_opt.weights.models.cache_dir()``), keyed
+by the source file (path, size, mtime) and the options, and written to a temporary file that is
+renamed into place, so an interrupted rewrite never leaves a broken cache entry.
 
-    python -m fractal_opt.runtimes.llama_cpp.requantize model.gguf --type q4_0   # prints the new file's path
+    python -m fractal_opt.weights.gguf_rewrite model.gguf --type q4_0   # prints the new file's path
 """
 
 from __future__ import annotations
@@ -32,23 +30,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPE_TARGETS", "GGUF_BITS", "GGUF_TYPES", "model_file", "requantize", "requantized_path"]
+__all__ = ["GGUF_TYPES", "requantize", "requantized_path"]
 
-# Target -> ggml type name: the model layer's quantize pass (backend gguf) writes the block types,
-# the hardware layer's dtype pass the 16-bit float types.
+# Target -> ggml type name: the types the gguf package writes here (block types and 16-bit floats).
 GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "bf16": "BF16", "f16": "F16"}
-# quant_method -> its bits (the quantize pass, backend gguf).
-GGUF_BITS = {"q8_0": 8, "q4_0": 4}
-# plan.hardware.dtype -> target: llama.cpp computes in the stored weight type, so on llama_cpp a
-# 16-bit dtype is a copy of the GGUF whose quantized blocks are widened to that float type.
-DTYPE_TARGETS = {"bfloat16": "bf16", "float16": "f16"}
 _FULL_PRECISION = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
 _FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "BF16": "MOSTLY_BF16", "F16": "MOSTLY_F16"}
 
 
 def requantized_path(source: Path, method: str, *, keep_head: bool = True) -> Path:
     """Where the re-quantized copy of ``source`` is cached (it may not exist yet)."""
-    from ...weights.models import cache_dir
+    from .models import cache_dir
 
     stat = source.stat()
     key = f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{method}:{keep_head}"
@@ -67,7 +59,7 @@ def requantize(source: Path, method: str, *, keep_head: bool = True, progress: C
     target = requantized_path(source, method, keep_head=keep_head)
     if target.is_file():
         return target
-    progress(f"re-quantizing {source.name} to {GGUF_TYPES[method]} once with the gguf package (about 6 s for the embedded model); cached in {target}")
+    progress(f"rewriting {source.name} in {GGUF_TYPES[method]} once with the gguf package (about 6 s for the embedded model); cached in {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".requantizing-", suffix=".gguf", dir=target.parent)
     os.close(fd)
@@ -79,19 +71,6 @@ def requantize(source: Path, method: str, *, keep_head: bool = True, progress: C
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
-
-
-def model_file(plan: Any, source: Path, *, progress: Callable[[str], None] = print) -> Path:
-    """The GGUF file llama.cpp loads for ``plan``: ``source``, or its copy (converted on first use)
-    re-quantized when the plan's weights use the gguf backend, or widened to a 16-bit dtype."""
-    m = plan.model
-    if m.quant_backend == "gguf":
-        return requantize(source, m.quant_method, keep_head="lm_head" in m.quant_skip, progress=progress)
-    if plan.hardware.dtype in DTYPE_TARGETS:
-        # The tied Q8_0 head stays as stored: widening it would add a 49152 x 576 matmul in
-        # 16 bits per token for no change in its values.
-        return requantize(source, DTYPE_TARGETS[plan.hardware.dtype], keep_head=True, progress=progress)
-    return source
 
 
 def _head_name(names: set[str]) -> str:
