@@ -36,6 +36,7 @@ GEN_CONFIG: dict[str, tuple[str, str]] = {
     "model.kv_bits": ("config", "cache_config.nbits"),
     "model.kv_backend": ("config", "cache_config.backend"),
     "model.context_cap": ("config", "max_cache_len with a static cache; otherwise the cap is a client-side limit"),
+    "model.trust_remote_code": ("lost", "a loading option (from_pretrained(trust_remote_code=True)), not a generation setting"),
 }
 
 _LOAD_LOST = {  # how the weights are loaded: no generation_config.json key (a launch flag at most)

@@ -46,6 +46,7 @@ TABLE: dict[str, tuple[str, str]] = {
     "model.kv_bits": ("arg", "--cache-type-k / --cache-type-v q8_0 / q4_0"),
     "model.kv_backend": ("arg", "native: llama.cpp's own cache types"),
     "model.context_cap": ("arg", "--ctx-size = cap x slots (each slot holds one request)"),
+    "model.trust_remote_code": ("lost", "llama.cpp runs no model code of its own: the converter reads the weights, and only an architecture it knows converts"),
     "scheduling.batching": ("arg", "--parallel (slots; llama-server batches continuously)"),
     "scheduling.max_concurrency": ("arg", "--parallel"),
     "scheduling.streaming": ("request", "stream: true/false, chosen by each client"),

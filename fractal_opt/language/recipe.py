@@ -41,9 +41,10 @@ from ..core.validate import MAX_RECIPE_BYTES, Problems, build, parse_yaml, plain
 from ..layers import get_pass, registry
 from ..quality.probes import QualityConfig
 from ..tower.passes import Layer, Pass
-from ..tower.plan import Plan
+from ..tower.plan import ApplicationPlan, ModelPlan, Plan
 from ..weights import models
 from ..workloads.workload import Request, Workload
+from .model_spec import ModelSpec, architecture_problems, parse_model
 from .policy import Policy
 from .targets import Targets, parse_targets
 
@@ -60,7 +61,7 @@ TOP_LEVEL = ("version", "name", "model", "workload", "policy", "quality", "targe
 class Recipe:
     """A validated recipe: the model, what to measure, how to judge, and the passes to try."""
 
-    model: str
+    model: str  # the source: an embedded name, a folder, a .gguf file or a hub id
     workload: Workload = field(default_factory=Workload)
     policy: Policy = field(default_factory=Policy)
     quality: QualityConfig = field(default_factory=QualityConfig)
@@ -68,10 +69,13 @@ class Recipe:
     name: str | None = None
     targets: Targets = field(default_factory=Targets)  # the numbers wanted (pipeline/targets.py)
     machine: MachinePrice = field(default_factory=MachinePrice)  # what the machine costs (the cost per token in dollars)
+    spec: ModelSpec | None = None  # model: as a mapping (chat_template, trust_remote_code); None = the plain source
 
     def base_plan(self) -> Plan:
-        """The baseline: the model as plain transformers would run it."""
-        return Plan(source=self.model)
+        """The baseline: the model as plain transformers would run it (rendered and trusted as ``model:`` says)."""
+        spec = self.spec or ModelSpec(source=self.model)
+        return Plan(source=self.model, model=ModelPlan(trust_remote_code=spec.trust_remote_code),
+                    application=ApplicationPlan(chat_template=spec.chat_template))
 
     def plan(self) -> Plan:
         """The plan with every pass applied in order (a tuned recipe's passes are the kept ones)."""
@@ -98,7 +102,7 @@ class Recipe:
         out: dict[str, Any] = {"version": RECIPE_VERSION}
         if self.name:
             out["name"] = self.name
-        out["model"] = self.model
+        out["model"] = (self.spec or ModelSpec(source=self.model)).to_data()
         for key, obj in (("workload", self.workload), ("policy", self.policy), ("quality", self.quality)):
             values = section(obj)
             if values or defaults:
@@ -183,8 +187,14 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
             found.add(f"{where}: unknown key {key!r}. Valid keys are: {list(TOP_LEVEL)}.{closest(str(key), TOP_LEVEL)}")
     with found.collect(f"{where}: "):
         _check_version(data.get("version"), where=where)
-    model = data.get("model")
-    source = _model_source(data, found, where=where, check_model=check_model, complete_model=complete_model)
+    spec = None
+    if "model" not in data:
+        found.add(f"{where}: missing key 'model' (an embedded name such as {min(models.EMBEDDED)!r}, a local directory, a .gguf file or a hub id).")
+    else:
+        with found.collect(f"{where}: "):
+            spec = parse_model(data["model"], where=where)
+    model = spec.source if spec is not None else data.get("model")
+    source = _model_source(spec, found, where=where, check_model=check_model, complete_model=complete_model)
     name = data.get("name")
     if name is not None and not isinstance(name, str):
         found.add(f"{where}, key 'name': got {name!r}, expected a string.")
@@ -202,7 +212,7 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
         found.add(f"{where}: {path}: got {value!r}, expected a finite number.")
     with found.collect(f"{where}: "):
         quality = build(QualityConfig, data.get("quality"), where=f"{where}: quality")
-    eval_requests = _eval_requests(quality, model, found, where=where)
+    eval_requests = _eval_requests(quality, model, found, where=where, chat_template=spec.chat_template if spec is not None else None)
     passes = _parse_passes(data.get("passes"), where=f"{where}: passes", found=found)
     targets = None
     with found.collect(f"{where}: "):
@@ -218,23 +228,26 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
     price = MachinePrice()
     with found.collect(f"{where}: "):
         price = MachinePrice.from_data(data.get("machine"))
+    if source is not None and complete_model and not found.items:
+        for problem in architecture_problems(source, passes):
+            found.add(f"{where}: {problem}")
     found.raise_if_any()
     assert isinstance(model, str) and workload and policy and quality and targets is not None
-    return Recipe(model=model, workload=workload, policy=policy, quality=quality, passes=passes, name=name, targets=targets, machine=price)
+    plain_spec = spec is None or spec == ModelSpec(source=spec.source)
+    return Recipe(model=model, workload=workload, policy=policy, quality=quality, passes=passes, name=name, targets=targets, machine=price,
+                  spec=None if plain_spec else spec)
 
 
 
-def _model_source(data: Mapping[str, Any], found: Problems, *, where: str, check_model: bool, complete_model: bool) -> models.ModelSource | None:
+def _model_source(spec: ModelSpec | None, found: Problems, *, where: str, check_model: bool, complete_model: bool) -> models.ModelSource | None:
     """The recipe's model, resolved and its files checked (None when it cannot be, with the problem added to ``found``)."""
-    model = data.get("model")
-    if "model" not in data:
-        found.add(f"{where}: missing key 'model' (an embedded name such as {min(models.EMBEDDED)!r}, a local directory, a .gguf file or a hub id).")
-    elif not isinstance(model, str):
-        found.add(f"{where}, key 'model': got {model!r}, expected a string.")
-    elif check_model:
+    if spec is None:  # missing or refused: found says why
+        return None
+    model = spec.source
+    if check_model:
         try:
             source = models.resolve(model)
-            models.check_files(source, complete=complete_model)
+            models.check_files(source, complete=complete_model, trust_remote_code=spec.trust_remote_code)
             return source
         except ModelSourceError as e:
             found.add(f"{where}: {e}")
@@ -243,17 +256,20 @@ def _model_source(data: Mapping[str, Any], found: Problems, *, where: str, check
                       f"{e.strerror or e}. Give an embedded name, a local folder, a .gguf file or a hub id.")
     return None
 
-def _eval_requests(quality: QualityConfig | None, model: Any, found: Problems, *, where: str) -> list[Request]:
+def _eval_requests(quality: QualityConfig | None, model: Any, found: Problems, *, where: str, chat_template: str | None = None) -> list[Request]:
     """The eval set's requests, loaded (and so validated) before any model loads; ``auto`` is
-    resolved here (basics for an embedded model)."""
+    resolved here (the chat or the completion-form set, by the form the model's prompts take)."""
     if quality is None or not isinstance(model, str):
         return []
-    from ..quality.evals import eval_set_name, load_eval_set
+    from ..quality.evals import AUTO, eval_set_name, fitting, load_eval_set
 
-    if not (eval_set := eval_set_name(quality.eval, model)):
+    if not (eval_set := eval_set_name(quality.eval, model, chat_template)):
         return []
     with found.collect(f"{where}: "):
-        return [item.request for item in load_eval_set(eval_set)]
+        items = load_eval_set(eval_set)
+        if quality.eval == AUTO:  # a packaged set: only its questions that fit the model (pipeline/step_quality.py does the same)
+            items = fitting(items, model, quality.eval_max_new_tokens)
+        return [item.request for item in items]
     return []  # the set was refused: found holds why
 
 

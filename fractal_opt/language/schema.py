@@ -167,8 +167,15 @@ def recipe_schema() -> dict[str, Any]:
     known: dict[str, Any] = {
         "version": {"type": "integer", "minimum": 1, "maximum": RECIPE_VERSION, "description": f"the recipe format; this fractal_opt reads up to {RECIPE_VERSION}"},
         "name": {"type": "string"},
-        "model": {"type": "string", "description": "an embedded model name, a model folder, a .gguf file or a hub id (org/name)",
-                  "examples": sorted(models.EMBEDDED)},
+        "model": {"anyOf": [
+            {"type": "string", "description": "an embedded model name, a model folder, a .gguf file or a hub id (org/name) in the local cache",
+             "examples": sorted(models.EMBEDDED)},
+            {"type": "object", "additionalProperties": False, "required": ["source"], "properties": {
+                "source": {"type": "string", "description": "an embedded model name, a model folder, a .gguf file or a cached hub id"},
+                "chat_template": {"anyOf": [{"type": "string"}, {"type": "boolean", "const": False}],
+                                  "description": "auto (the model's own; plain text without one), none, a .jinja file, or a Jinja template"},
+                "trust_remote_code": {"type": "boolean", "description": "run the model folder's own Python code (config.json's auto_map)"}}},
+        ]},
         "workload": _nullable(section_schema(Workload, overrides={"load": load}, description="what each measurement runs")),
         "policy": _nullable(section_schema(Policy, overrides={"guards": _guards_schema()}, description="how a step is judged")),
         "quality": _nullable(section_schema(QualityConfig, description="quality probes against the baseline")),

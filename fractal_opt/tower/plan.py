@@ -102,6 +102,9 @@ class ModelPlan:
     kv_bits: int | None = field(default=None, metadata=NUMERICS)  # quantized KV cache: 2 | 4 | 8 bits
     kv_backend: str | None = field(default=None, metadata=NUMERICS)  # quantized KV cache: quanto | hqq
     context_cap: int | None = field(default=None, metadata=RUNTIME)  # max prompt + generated tokens per request; sizes the static cache
+    # Run the model folder's own Python code (config.json's auto_map) when transformers loads it:
+    # only where the recipe's model: says trust_remote_code: true (language/model_spec.py).
+    trust_remote_code: bool = field(default=False, metadata=WEIGHTS)
 
 
 @dataclass(frozen=True, kw_only=True)

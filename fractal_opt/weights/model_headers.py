@@ -50,6 +50,7 @@ class GGUFTensor:
     name: str
     shape: tuple[int, ...]
     type_id: int
+    offset: int = 0  # where its data starts, from the start of the file's data section
 
     @property
     def type_name(self) -> str:
@@ -76,6 +77,7 @@ class GGUFHeader:
     metadata: dict[str, Any]
     array_lengths: dict[str, int]
     tensors: tuple[GGUFTensor, ...]
+    data_start: int = 0  # the data section's first byte: the header's end, aligned to general.alignment
 
 
 def gguf_header(path: str | os.PathLike[str]) -> GGUFHeader:
@@ -147,7 +149,9 @@ class _Parser:
             records = tuple(self.tensor() for _ in range(tensors))
         except _Truncated:
             raise ModelSourceError(f"{self.where}: the file ends inside its GGUF header ({len(self.buf)} bytes); it is truncated, re-download it.") from None
-        return GGUFHeader(metadata=metadata, array_lengths=lengths, tensors=records)
+        align = metadata.get("general.alignment", 32)  # GGUF's default alignment of the data section
+        align = align if isinstance(align, int) and align > 0 else 32
+        return GGUFHeader(metadata=metadata, array_lengths=lengths, tensors=records, data_start=-(-self.pos // align) * align)
 
     def value(self, key: str, metadata: dict[str, Any], lengths: dict[str, int]) -> None:
         kind = self.take("<I")
@@ -178,8 +182,8 @@ class _Parser:
             raise ModelSourceError(f"{self.where}: tensor {name!r} claims {dims} dimensions; the file is damaged.")
         shape = tuple(self.take("<Q") for _ in range(dims))
         type_id = self.take("<I")
-        self.take("<Q")  # the data's offset: not needed to describe the tensor
-        return GGUFTensor(name=name, shape=shape, type_id=type_id)
+        offset = self.take("<Q")  # from the start of the data section
+        return GGUFTensor(name=name, shape=shape, type_id=type_id, offset=offset)
 
 
 def safetensors_header(path: str | os.PathLike[str]) -> dict[str, Any]:

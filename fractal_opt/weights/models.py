@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core.errors import ModelSourceError, closest
+from . import checks
 from .model_headers import gguf_header, safetensors_header
 
 __all__ = ["EMBEDDED", "ModelSource", "cache_dir", "check_files", "gguf_metadata", "hub_problem", "materialize", "positions", "read_config", "resolve", "token_counter"]
@@ -165,7 +166,7 @@ def read_config(folder: Path) -> dict[str, Any]:
     return data
 
 
-def check_files(source: ModelSource, *, complete: bool = True) -> None:
+def check_files(source: ModelSource, *, complete: bool = True, trust_remote_code: bool = False) -> None:
     """Check what can be checked without loading weights: the config, weight files and tokenizer
     of a folder (a hub id's snapshot in the local cache is one), the header of a GGUF file. A hub id
     that is not in the local cache is refused by the complete check (nothing is downloaded).
@@ -173,14 +174,21 @@ def check_files(source: ModelSource, *, complete: bool = True) -> None:
     ``complete=False`` checks only the files that are there (config readable, safetensors headers
     intact, GGUF header valid) and not that weights and a tokenizer exist: what recipe loading
     asks, because a folder that holds only a config.json is also how the tests stand in a model
-    for ``fractal_opt.testing.FakeEngine``. ``fractal-opt check`` asks for the complete check.
+    for ``fractal_opt.testing.FakeEngine``. ``fractal-opt check`` and ``run`` ask for the complete
+    check, which also refuses what a hostile folder or file may hold (:mod:`.checks`: remote code
+    without ``trust_remote_code``, pickles that call functions, weights that do not tile their
+    file, a chat template that leaves Jinja's sandbox or does not finish).
 
     Raises:
         ModelSourceError: naming the file and what is wrong with it.
     """
     if source.kind in ("gguf", "embedded"):
         assert source.path is not None
-        gguf_metadata(str(source.path))
+        header = gguf_header(source.path)
+        if complete:
+            checks.check_gguf_layout(source.path, header)
+            if template := header.metadata.get("tokenizer.chat_template"):
+                checks.check_template(str(template), where=f"{str(source.path)!r} (tokenizer.chat_template)")
         return
     if source.kind == "hub" and source.path is None:
         if complete:
@@ -189,12 +197,19 @@ def check_files(source: ModelSource, *, complete: bool = True) -> None:
     folder = source.path
     assert folder is not None
     read_config(folder)
+    checks.check_remote_code(folder, trust=trust_remote_code)
     weights = sorted({p for pattern in _WEIGHTS for p in folder.glob(pattern)})
     for path in weights:
         if path.name.endswith(".safetensors"):
             _check_safetensors(path)
     if not complete:
         return
+    for path in weights:
+        if path.name.endswith(".safetensors"):
+            checks.check_safetensors(path)
+    checks.check_pickles(folder)
+    for where, template in checks.model_templates(folder):
+        checks.check_template(template, where=where)
     if not weights:
         ggufs = sorted(folder.glob("*.gguf"))
         hint = f" It holds {ggufs[0].name}: name that file as the model instead." if ggufs else ""

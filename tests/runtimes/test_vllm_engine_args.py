@@ -55,6 +55,7 @@ ROWS: list[tuple[str, Any, dict[str, dict[str, Any]], str, Any]] = [
     ("model.kv_bits", 4, {"hardware": {"device": "cuda"}, "model": {"kv_cache": "quantized", "kv_backend": "native"}}, "refused", None),
     ("model.kv_backend", "native", {"hardware": {"device": "cuda"}, "model": {"kv_cache": "quantized", "kv_bits": 8}}, "args", ["--kv-cache-dtype", "fp8"]),
     ("model.context_cap", 1024, {}, "args", ["--max-model-len", "1024"]),
+    ("model.trust_remote_code", True, {}, "args", ["--trust-remote-code"]),
     ("scheduling.batching", "continuous", {}, "args", ["--max-num-seqs", "16"]),
     ("scheduling.batch_size", 4, {"scheduling": {"batching": "static"}}, "refused", "scheduling.batching"),
     ("scheduling.max_wait_ms", 50.0, {"scheduling": {"batching": "static"}}, "refused", "scheduling.batching"),

@@ -53,6 +53,7 @@ SAMPLES: dict[str, tuple[object, dict[str, object]]] = {
     "model.kv_bits": (8, {"model.kv_cache": "quantized", "model.kv_backend": "native"}),
     "model.kv_backend": ("hqq", {"model.kv_cache": "quantized", "model.kv_bits": 4}),
     "model.context_cap": (2048, {"model.kv_cache": "static"}),
+    "model.trust_remote_code": (True, {}),
     "scheduling.batching": ("continuous", {}),
     "scheduling.batch_size": (8, {"scheduling.batching": "static"}),
     "scheduling.max_wait_ms": (50.0, {"scheduling.batching": "static", "scheduling.batch_size": 4}),

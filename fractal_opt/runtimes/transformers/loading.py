@@ -40,6 +40,9 @@ def load(plan: Plan, *, progress: Callable[[str], None] = print) -> tuple[Any, A
     hw, mp = plan.hardware, plan.model
     device = resolve_device(hw.device)
     kwargs: dict[str, Any] = {"dtype": getattr(torch, hw.dtype), "attn_implementation": hw.attention}
+    if mp.trust_remote_code:  # the recipe's model: allows the folder's own Python code (weights/checks.py refuses it otherwise)
+        progress(f"trust_remote_code: running the Python code in {path} (the recipe's model: allows it)")
+        kwargs["trust_remote_code"] = True
     if hw.device_map is not None:
         kwargs["device_map"] = hw.device_map
         if hw.max_memory:
@@ -50,13 +53,13 @@ def load(plan: Plan, *, progress: Callable[[str], None] = print) -> tuple[Any, A
     if mp.weight_bits is not None:
         record = {"backend": mp.quant_backend, "method": mp.quant_method, "bits": mp.weight_bits, "group_size": mp.quant_group_size, "skip": list(mp.quant_skip)}
     if record is not None and mp.quant_backend == "bitsandbytes":
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=mp.trust_remote_code)
         names, n_blocks = _linear_names_from_config(config)
         keep = expand(names, mp.quant_skip, n_blocks=n_blocks)
         kwargs["quantization_config"] = _bnb_config(mp.weight_bits, mp.quant_method, kwargs["dtype"], keep)
         kwargs.setdefault("device_map", device)
         record["skipped_modules"] = keep
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=mp.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if "device_map" not in kwargs and device != "cpu":
         model = model.to(device)

@@ -62,6 +62,7 @@ FIELDS: dict[str, str] = {
     "model.kv_bits": "arg",
     "model.kv_backend": "arg",
     "model.context_cap": "arg",
+    "model.trust_remote_code": "arg",
     "scheduling.batching": "arg",
     "scheduling.batch_size": "refuse",
     "scheduling.max_wait_ms": "refuse",
@@ -221,6 +222,8 @@ def engine_args(plan: Any, *, draft_model: str | None = None) -> list[str]:
     args = ["--dtype", hw.dtype]
     if m.context_cap is not None:
         args += ["--max-model-len", str(m.context_cap)]
+    if m.trust_remote_code:
+        args.append("--trust-remote-code")
     if hw.compile is None:
         # The plan's default is no compilation; vLLM's default compiles and captures graphs (a
         # minute or more of start-up), so eager keeps the baseline comparable and start-up short.
