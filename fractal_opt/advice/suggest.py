@@ -213,7 +213,15 @@ def _plain(label: str | None) -> str:
 
 # ---------------------------------------------------------------------------- choosing
 
-def _candidates(summary: dict[str, Any], roof: dict[str, Any], labels: dict[str, str], machine: Machine, device: str, model_kind: str) -> list[Suggestion]:
+def _candidates(summary: dict[str, Any], roof: dict[str, Any], labels: dict[str, str], machine: Machine, device: str, source: Any) -> list[Suggestion]:
+    """The passes that attack the baseline's limits, each with its one-line why (llama.cpp and the
+    weight ladder where the model can reach llama.cpp: a GGUF, or a folder the converter knows)."""
+    from ..weights.convert import conversion_problem
+    from ..weights.ladder import GGUF_METHODS, WEIGHT_TYPES
+    from ..weights.ladder import ladder as weight_ladder
+
+    gguf_ready = source.kind in ("embedded", "gguf") or (source.folder is not None and conversion_problem(source.folder) is None)
+    ladder = weight_ladder(source) if gguf_ready and source.path is not None else ()
     decode, prefill = labels["decode"], labels["prefill"]
     frac = roof.get("bandwidth_fraction")
     used = f" ({frac:.0%} of the bandwidth ceiling)" if isinstance(frac, int | float) else ""
@@ -225,19 +233,11 @@ def _candidates(summary: dict[str, Any], roof: dict[str, Any], labels: dict[str,
     gpu = device.startswith("cuda")
     bf16_native = machine.cuda_bf16 if gpu else machine.cpu_native_bf16
     unknown = f"the decode bound could not be labelled ({roof.get('note') or 'no roofline numbers'})"
-    if model_kind in ("embedded", "gguf") and decode in ("overhead", "bandwidth", "unknown"):
-        why = {"overhead": f"decode is overhead-bound{used}: llama.cpp's fused C++ kernels cut the per-token Python and dispatch cost",
-               "bandwidth": f"decode is bandwidth-bound{used}: llama.cpp reads the GGUF file's 4-8-bit weights, not float32",
-               "unknown": f"{unknown}: llama.cpp attacks both the per-token overhead and the bytes (the GGUF's own 4-8-bit weights)"}[decode]
-        add("runtime", {"backend": "llama_cpp"}, why)
-        add("runtime", {"backend": "llama_cpp", "dtype": "bfloat16"},
-            "the same weights widened to BF16 on llama.cpp: where the GGUF's own quantized kernels change answers (the quality guards refuse them), this keeps them")
-        if not gpu and "avx512f" in machine.cpu_flags:
-            # The xllamacpp wheel's CPU kernels are AVX2 only (docs/runtimes.md, "A llama.cpp built for this CPU").
-            bf16 = " and AVX512_BF16 (then try dtype bfloat16 on it)" if machine.cpu_native_bf16 else ""
-            add("runtime", {"backend": "llama_cpp", "path": "native"},
-                f"this CPU has AVX-512{bf16}, which the xllamacpp wheel's kernels do not use: `make setup-llama-native` builds llama-server for it "
-                "(about 5 minutes), and this step is skipped with that command until it is built")
+    if gguf_ready and decode in ("overhead", "bandwidth", "unknown"):
+        _llama_cpp(add, decode, used, unknown, machine, gpu)
+        for name in ladder[:2]:  # "8 bits first, then 4": the ladder's two widest types below the source's
+            add("quantize", {"backend": "gguf", "bits": GGUF_METHODS[name.lower()], "method": name.lower()},
+                f"the weight ladder on llama.cpp: {name}, {WEIGHT_TYPES[name].why}; the quality gate (KL, the eval) decides whether it keeps the answers")
     if decode == "overhead":
         add("threads", {"count": "auto"}, "decode is overhead-bound: one thread per physical core avoids spin-waiting hyper-threads")
         if gpu:
@@ -246,7 +246,8 @@ def _candidates(summary: dict[str, Any], roof: dict[str, Any], labels: dict[str,
         if bf16_native:
             add("dtype", {"dtype": "bfloat16"}, f"decode is {decode}-bound: bfloat16 halves the bytes read per token and this hardware has bf16 units")
         lead = "decode is bandwidth-bound" if decode == "bandwidth" else unknown
-        add("quantize", {"bits": 8, "skip": ["lm_head"]}, f"{lead}: int8 weights read a quarter of float32's bytes per token")
+        if not ladder:  # on llama.cpp the weight ladder above is the quantization
+            add("quantize", {"bits": 8, "skip": ["lm_head"]}, f"{lead}: int8 weights read a quarter of float32's bytes per token")
     if decode == "capacity" or prefill == "capacity":
         add("kv_cache", {"implementation": "quantized", "bits": 8, "backend": "quanto"}, "memory is capacity-bound: an 8-bit KV cache halves its bytes")
         add("context_cap", {"tokens": 2048}, "memory is capacity-bound: a context cap bounds the KV cache each request may hold")
@@ -267,20 +268,36 @@ def _candidates(summary: dict[str, Any], roof: dict[str, Any], labels: dict[str,
     return out
 
 
+def _llama_cpp(add: Callable[..., None], decode: str, used: str, unknown: str, machine: Machine, gpu: bool) -> None:
+    """llama.cpp as the model's runtime: its own kernels, the weights widened to BF16, the build for this CPU."""
+    why = {"overhead": f"decode is overhead-bound{used}: llama.cpp's fused C++ kernels cut the per-token Python and dispatch cost",
+           "bandwidth": f"decode is bandwidth-bound{used}: llama.cpp computes in the GGUF's own weight types, with kernels made for them",
+           "unknown": f"{unknown}: llama.cpp attacks both the per-token overhead and the bytes"}[decode]
+    add("runtime", {"backend": "llama_cpp"}, why)
+    add("runtime", {"backend": "llama_cpp", "dtype": "bfloat16"},
+        "the same model on llama.cpp in BF16: half float32's bytes, and where a GGUF's own quantized kernels change answers, this keeps them")
+    if not gpu and "avx512f" in machine.cpu_flags:
+        # The xllamacpp wheel's CPU kernels are AVX2 only (docs/runtimes.md, "A llama.cpp built for this CPU").
+        bf16 = " and AVX512_BF16 (then try dtype bfloat16 on it)" if machine.cpu_native_bf16 else ""
+        add("runtime", {"backend": "llama_cpp", "path": "native"},
+            f"this CPU has AVX-512{bf16}, which the xllamacpp wheel's kernels do not use: `make setup-llama-native` builds llama-server for it "
+            "(about 6 minutes), and this step is skipped with that command until it is built")
+
+
 def _runnable(suggestions: list[Suggestion], base: Plan, machine: Machine, refuse: Callable[[Plan], str | None]) -> tuple[list[Suggestion], list[tuple[str, str]]]:
-    """Keep the passes this machine can run on the base plan or after the earlier suggestions."""
+    """Keep the passes this machine can run on the base plan or after the earlier suggestions
+    (batching before its ramp; the weight ladder after the runtime that serves GGUF files)."""
     from ..pipeline.gate import skip_reason
 
     keep, left = [], []
-    by_layer: dict[Layer, Plan] = {}  # the base plan with the earlier suggestions of the same layer (batching before its ramp)
+    after = base  # the base plan with every suggestion kept so far, in tower order
     for s in suggestions:
         why = skip_reason(s.p, base, machine, refuse=refuse)
-        layer_plan = by_layer.get(s.p.layer, base)
-        if why is not None and layer_plan != base and skip_reason(s.p, layer_plan, machine, refuse=refuse) is None:
+        if why is not None and after != base and skip_reason(s.p, after, machine, refuse=refuse) is None:
             why = None
         if why is None:
             keep.append(s)
-            by_layer[s.p.layer] = s.p.apply(layer_plan).with_applied(s.p.name)
+            after = s.p.apply(after).with_applied(s.p.name)
         else:
             left.append((f"{s.p.layer.section}/{s.p.describe()}", why.removeprefix("check: ")))
     return keep, left
@@ -311,7 +328,7 @@ def suggest(model: str, *, workload: str | Workload = "default", targets: Mappin
         if load.verdict != "ok":
             notes.append(f"The machine was busy when measured ({load.found}): these numbers are noisy; run suggest again on a quiet machine.")
     summary, roof, labels, limits = _baseline(model, wl, machine, build, limits, say)
-    candidates = _candidates(summary, roof, labels, machine, device, source.kind)
+    candidates = _candidates(summary, roof, labels, machine, device, source)
     keep, left = _runnable(candidates, base, machine, refuse or runtimes.refuse)
     if labels["decode"] == "overhead" and not device.startswith("cuda"):
         notes.append("Not suggested: hardware compile. On a CPU it took ~5 min of start-up for +18% decode on SmolLM2 (docs/passes.md); "

@@ -21,7 +21,7 @@ from typing import Any
 from ..engine.protocol import Engine
 from ..language.recipe import Recipe
 from ..measure.metrics import Measurement
-from ..quality.evals import eval_set_name, load_eval_set, score_answers
+from ..quality.evals import AUTO, eval_choice, fitting, load_eval_set, score_answers
 from ..quality.probes import agreement, build_reference, model_probes
 from ..tower.plan import Plan
 from ..workloads.workload import Request
@@ -35,8 +35,16 @@ class StepQuality:
     def __init__(self, recipe: Recipe, *, progress: Callable[[str], None]):
         self.config = recipe.quality
         self.progress = progress
-        eval_set = eval_set_name(recipe.quality.eval, recipe.model)  # "auto": basics for an embedded model
-        self.eval_items = load_eval_set(eval_set) if eval_set else []
+        # "auto": the packaged chat set for a model with a chat template, the completion-form set for one without
+        self.eval_set, self.eval_why = eval_choice(recipe.quality.eval, recipe.model, recipe.base_plan().application.chat_template)
+        self.eval_items = load_eval_set(self.eval_set) if self.eval_set else []
+        if recipe.quality.eval == AUTO and self.eval_items:  # a packaged set's questions that fit the model's context
+            every = len(self.eval_items)
+            self.eval_items = fitting(self.eval_items, recipe.model, recipe.quality.eval_max_new_tokens)
+            if len(self.eval_items) < every:
+                self.eval_why += f"; {len(self.eval_items)} of its {every} questions fit the model's context"
+            if not self.eval_items:
+                self.eval_set = None
         self.probes = recipe.quality.load_probes()
         self.reference: Any = None  # the baseline's reference logits and outputs
         self.reference_outputs: dict[str, list[int]] | None = None  # a resumed baseline's outputs, until the reference is scored again
@@ -65,8 +73,10 @@ class StepQuality:
         out: dict[str, Any] = {**self._model_probes[key], **self.measured(engine, m)}
         if is_baseline:
             out["prompts"] = {r.id: r.messages[-1][1] for r in requests}
+            out["eval_why"] = self.eval_why  # which eval guards the run, and why (the reports' "answers kept" line)
+            out["prompt_format"] = getattr(getattr(engine, "prompt_format", None), "origin", None) or _format_origin(engine)
         if self.eval_items:
-            out.update(self._eval(engine, label, baseline_eval=None if is_baseline else baseline_eval))
+            out.update(self._eval(engine, label, baseline_eval=None if is_baseline else baseline_eval), eval_set=self.eval_set)
         out.update(self._custom(engine))
         return out
 
@@ -115,6 +125,14 @@ def eval_key(plan: Plan, budget: int) -> str:
     cap = plan.application.max_new_tokens
     data["application"]["max_new_tokens"] = min(cap, budget) if cap else budget
     return json.dumps(data, sort_keys=True, default=str)
+
+
+def _format_origin(engine: Engine) -> str | None:
+    """How the baseline's prompts are rendered (weights/prompts.py), where its engine says."""
+    from ..weights.prompts import prompt_format
+
+    tokenizer = getattr(engine, "tokenizer", None)
+    return prompt_format(tokenizer, engine.plan.application.chat_template).origin if tokenizer is not None else None
 
 
 def _decoder(engine: Engine) -> Any:

@@ -9,8 +9,10 @@ An eval set is YAML (``name``, ``items``) or JSONL (one item per line). Each ite
 - ``choice``: the first letter/word of the output equals the answer (multiple choice, case-insensitive).
 
 The packaged set ``basics`` (45 short factual, instruction and reading questions, the README's
-example first) is the default for the embedded model (``quality.eval: auto``); its float32
-baseline answers 35 of 45 (benchmarks/quality_gate.py prints it).
+example first) is the default for a model with a chat template (``quality.eval: auto``; the
+embedded model's float32 baseline answers 35 of 45, benchmarks/quality_gate.py prints it), and
+``basics-completion`` (the same knowledge as texts to continue) the default for a model without
+one (:func:`eval_choice`).
 
 Example:
     >>> from fractal_opt.evals import load_eval_set, matches
@@ -39,7 +41,7 @@ from ..workloads.workload import Request
 if TYPE_CHECKING:
     from ..engine.protocol import Engine, Generation
 
-__all__ = ["AUTO", "EvalItem", "eval_set_name", "load_eval_set", "matches", "packaged_eval_sets", "score", "score_answers", "sign_test_worse", "wilson"]
+__all__ = ["AUTO", "CHAT_SET", "COMPLETION_SET", "EvalItem", "eval_choice", "eval_set_name", "fitting", "load_eval_set", "matches", "packaged_eval_sets", "score", "score_answers", "sign_test_worse", "wilson"]
 
 MATCH_KINDS = ("exact", "contains", "regex", "choice")
 AUTO = "auto"  # quality.eval's default: see eval_set_name
@@ -107,15 +109,52 @@ def matches(output: str, answer: str, match: str) -> bool:
     raise ValueError(f"unknown match kind {match!r}")
 
 
-def eval_set_name(eval_field: str | None, model: str) -> str | None:
-    """The eval set a recipe's ``quality.eval`` names: ``"auto"`` (the default) is the packaged
-    ``basics`` for an embedded model, whose answers it was written for, and none for any other
-    model (its questions would say nothing about a model nobody here has scored)."""
-    if eval_field != AUTO:
-        return eval_field
-    from ..weights.models import EMBEDDED
+CHAT_SET, COMPLETION_SET = "basics", "basics-completion"
 
-    return "basics" if model in EMBEDDED else None
+
+def eval_set_name(eval_field: str | None, model: str, chat_template: str | None = None) -> str | None:
+    """The eval set a recipe's ``quality.eval`` names (:func:`eval_choice` says why)."""
+    return eval_choice(eval_field, model, chat_template)[0]
+
+
+def eval_choice(eval_field: str | None, model: str, chat_template: str | None = None) -> tuple[str | None, str]:
+    """(the eval set, why it guards the run) for ``quality.eval``. ``"auto"`` (the default) picks a
+    packaged set for every model by the form its prompts take (``chat_template``: the plan's
+    ``application.chat_template``): the chat set ``basics`` for a model with a chat template,
+    ``basics-completion`` for one without (a base model, served plain text). Each is judged paired
+    against that model's own baseline (questions lost against gained), so it guards any model
+    that answers them; its absolute accuracy is reported, not guarded."""
+    if eval_field != AUTO:
+        return eval_field, ("the recipe's quality.eval" if eval_field else "none: the recipe's quality.eval is null")
+    from ..weights.models import resolve
+    from ..weights.prompts import NO_TEMPLATE, has_chat_template
+
+    try:
+        chat = chat_template != NO_TEMPLATE and (chat_template is not None or has_chat_template(resolve(model)))
+    except Exception:  # noqa: BLE001 (a model that cannot be read: its own check names why; the common form stands)
+        chat = True
+    if chat:
+        return CHAT_SET, f"quality.eval auto: the packaged chat set {CHAT_SET!r}, as the model's prompts go through a chat template"
+    return COMPLETION_SET, f"quality.eval auto: the packaged completion-form set {COMPLETION_SET!r}, as the model has no chat template (its prompts are plain text)"
+
+
+def fitting(items: list[EvalItem], model: str, max_new_tokens: int) -> list[EvalItem]:
+    """The items whose prompt plus ``max_new_tokens`` fits the model's positions, counted from its
+    files without loading it (the tokenizer's exact count, or a GGUF's lower bound). ``auto``
+    uses it: a packaged set's long reading questions do not fit a model with a short context,
+    and a recipe that asked for no eval set must not be refused for them."""
+    from ..weights import models
+
+    try:
+        source = models.resolve(model)
+        limit = models.positions(source)
+        counter = models.token_counter(source) if limit else None
+    except Exception:  # noqa: BLE001 (a model that cannot be read: its own check says why)
+        return items
+    if counter is None or limit is None:
+        return items
+    count = counter[0]
+    return [item for item in items if sum(count(content) for _, content in item.request.messages) + max_new_tokens <= limit]
 
 
 def score(engine: Engine, items: list[EvalItem], *, max_new_tokens: int, baseline: list[dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -58,7 +58,8 @@ class QualityConfig:
             llama.cpp pays a decode step per request: on the embedded model at k=20, 256
             positions took 6.7 s on the shared 2-core CPU (load average 1.4), 1,023 took 46 s.
         eval: a packaged eval set name (``basics``), a .yaml/.jsonl path, or ``auto`` (the default:
-            ``basics`` for an embedded model, none otherwise; ``null`` turns it off); scored on every step.
+            the packaged chat set ``basics`` for a model with a chat template, ``basics-completion`` for
+            one without; ``null`` turns it off); scored on every step, judged against the baseline.
         eval_max_new_tokens: the answer budget for eval items.
         probes: custom probes, ``"package.module:function"``.
         allow_code: the recipe's author allows importing and running ``probes`` (Python code, with

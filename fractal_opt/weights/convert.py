@@ -69,7 +69,10 @@ def conversion_problem(folder: Path) -> str | None:
     known = supported_architectures()
     if known is None or not converter_script().is_file():
         return f"no llama.cpp converter installed at {converter_dir()}: {CONVERT_HINT}"
-    name = architecture(folder)
+    try:
+        name = architecture(folder)
+    except ModelSourceError as e:
+        return str(e).removeprefix("model: ")
     if name not in known:
         return (f"architecture {name!r} (config.json) is not one llama.cpp's converter knows ({len(known)} known).{closest(name, sorted(known))} "
                 "Serve it with the transformers runtime, or convert it with a newer llama.cpp and give the .gguf path")

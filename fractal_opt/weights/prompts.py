@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NO_TEMPLATE", "PromptFormat", "prompt_format", "prompt_ids"]
+__all__ = ["NO_TEMPLATE", "PromptFormat", "has_chat_template", "prompt_format", "prompt_ids"]
 
 NO_TEMPLATE = "none"  # application.chat_template: plain completion text even for a model with a template
 
@@ -75,3 +75,16 @@ def prompt_ids(tokenizer: Any, fmt: PromptFormat, messages: Sequence[dict[str, s
     """The token ids the model receives for ``messages``: rendered by ``fmt``, tokenized by ``tokenizer``."""
     text = fmt.render(messages, tokenizer)
     return [int(t) for t in tokenizer(text, add_special_tokens=not fmt.chat)["input_ids"]]
+
+
+def has_chat_template(source: Any) -> bool:
+    """Whether a model's files carry a chat template, read without loading it: a folder's
+    chat_template.jinja or tokenizer_config.json, a GGUF's ``tokenizer.chat_template``."""
+    from .checks import model_templates
+    from .models import gguf_metadata
+
+    if getattr(source, "folder", None) is not None:
+        return bool(model_templates(source.folder))
+    if getattr(source, "path", None) is not None and source.kind in ("gguf", "embedded"):
+        return bool(str(gguf_metadata(str(source.path)).get("tokenizer.chat_template") or "").strip())
+    return True  # a hub id not cached here: nothing to read; the chat form is the common one

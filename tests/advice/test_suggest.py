@@ -92,10 +92,31 @@ def test_a_gguf_model_on_an_avx512_cpu_gets_the_native_llama_cpp_build_too():
 
     labels = {"decode": "overhead", "prefill": "compute"}
     avx512 = cpu_machine(cpu_flags=frozenset({"avx512f", "avx512_bf16"}))
-    found = [(s.p.name, s.written) for s in _candidates({}, {}, labels, avx512, "cpu", "gguf")]
+    from fractal_opt.weights.models import ModelSource
+
+    gguf = ModelSource("m.gguf", "gguf", None)
+    found = [(s.p.name, s.written) for s in _candidates({}, {}, labels, avx512, "cpu", gguf)]
     assert found[:3] == [("runtime", {"backend": "llama_cpp"}), ("runtime", {"backend": "llama_cpp", "dtype": "bfloat16"}),
                          ("runtime", {"backend": "llama_cpp", "path": "native"})]
-    why = _candidates({}, {}, labels, avx512, "cpu", "gguf")[2].why
+    why = _candidates({}, {}, labels, avx512, "cpu", gguf)[2].why
     assert "make setup-llama-native" in why and "AVX512_BF16" in why
-    avx2 = [(s.p.name, s.written) for s in _candidates({}, {}, labels, cpu_machine(cpu_flags=frozenset({"avx2"})), "cpu", "gguf")]
+    avx2 = [(s.p.name, s.written) for s in _candidates({}, {}, labels, cpu_machine(cpu_flags=frozenset({"avx2"})), "cpu", gguf)]
     assert ("runtime", {"backend": "llama_cpp", "path": "native"}) not in avx2
+
+
+def test_a_model_folder_gets_llama_cpp_and_its_weight_ladder(tiny_dir, monkeypatch):
+    """A folder the converter knows is suggested llama.cpp (its own weights, then BF16) and the
+    ladder's two widest types below its float32, 8 bits first; one it does not know gets neither."""
+    from fractal_opt.advice.suggest import _candidates
+    from fractal_opt.weights import convert
+    from fractal_opt.weights.models import resolve
+
+    labels = {"decode": "bandwidth", "prefill": "compute"}
+    monkeypatch.setattr(convert, "conversion_problem", lambda folder: None)
+    found = [(s.p.name, s.written) for s in _candidates({}, {}, labels, cpu_machine(), "cpu", resolve(str(tiny_dir)))]
+    assert found[:2] == [("runtime", {"backend": "llama_cpp"}), ("runtime", {"backend": "llama_cpp", "dtype": "bfloat16"})]
+    ladder = [w for name, w in found if name == "quantize"]
+    assert ladder == [{"backend": "gguf", "bits": 8, "method": "q8_0"}, {"backend": "gguf", "bits": 6, "method": "q6_k"}]
+    monkeypatch.setattr(convert, "conversion_problem", lambda folder: "architecture 'X' is not one llama.cpp's converter knows")
+    found = [(s.p.name, s.written) for s in _candidates({}, {}, labels, cpu_machine(), "cpu", resolve(str(tiny_dir)))]
+    assert not any(name == "runtime" for name, _ in found) and ("quantize", {"bits": 8, "skip": ["lm_head"]}) in found

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -155,15 +157,38 @@ def test_int4_on_the_embedded_model_is_rolled_back_by_the_kl_guard():
 # ---------------------------------------------------------------------------- the default eval set
 
 
-def test_the_embedded_model_gets_the_packaged_eval_set_by_default():
-    """quality.eval: auto (the default) is basics for an embedded model and no eval set for any other model."""
-    from fractal_opt.quality.evals import eval_set_name
+def test_every_model_gets_a_packaged_eval_set_by_the_form_of_its_prompts(tiny_dir, tmp_path):
+    """quality.eval: auto (the default) is the chat set for a model with a chat template (the
+    embedded model, the tiny model), the completion-form set for one without (its template removed,
+    or the recipe's chat_template: none); null is none, a path is itself; the choice says why."""
+    import shutil
+
+    from fractal_opt.quality.evals import eval_choice, eval_set_name
     from fractal_opt.quality.probes import QualityConfig
 
     assert QualityConfig().eval == "auto"
     assert eval_set_name("auto", "smollm2-135m-instruct") == "basics"
-    assert eval_set_name("auto", "/models/my-model") is None
+    assert eval_set_name("auto", str(tiny_dir)) == "basics"
+    assert eval_set_name("auto", str(tiny_dir), "none") == "basics-completion"
+    base = tmp_path / "base"
+    shutil.copytree(tiny_dir, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    name, why = eval_choice("auto", str(base))
+    assert name == "basics-completion" and "no chat template" in why
     assert eval_set_name(None, "smollm2-135m-instruct") is None and eval_set_name("mine.yaml", "x") == "mine.yaml"
+
+
+def test_auto_keeps_the_questions_that_fit_the_models_context(tmp_path):
+    """A packaged set's questions longer than a short-context model holds are left out of auto (not
+    refused): the reading questions do not fit 64 positions, the short ones do."""
+    from fractal_opt.quality.evals import fitting, load_eval_set
+
+    items = load_eval_set("basics")
+    kept = fitting(items, str(Path(__file__).parents[1] / "data" / "bad" / "models" / "positions-64"), 24)
+    assert 0 < len(kept) < len(items) and not any(item.request.id.startswith("reading-") for item in kept)
 
 
 def test_the_packaged_basics_set_starts_with_the_readme_question():

@@ -189,7 +189,7 @@ def test_no_full_distributions_but_teacher_forced_top_k_and_exact_tokens(engine:
     [
         (_plan(hardware=HardwarePlan(runtime="llama_cpp", compile="default")), "hardware.compile"),
         (_plan(hardware=HardwarePlan(runtime="llama_cpp", dtype="bfloat16"), model=ModelPlan(weight_bits=8, quant_backend="gguf", quant_method="q8_0")),
-         "hardware.dtype"),
+         "model.quant_method"),  # the embedded GGUF is Q4_1: Q8_0 would be quantizing up
         (_plan(hardware=HardwarePlan(runtime="llama_cpp", runtime_url="http://127.0.0.1:1")), "hardware.runtime_url"),
         (_plan(model=ModelPlan(weight_bits=8, quant_backend="torchao", quant_method="weight_only")), "model.weight_bits"),
         (_plan(model=ModelPlan(kv_cache="quantized", kv_bits=4, kv_backend="quanto")), "model.kv_backend"),

@@ -116,13 +116,18 @@ def test_the_runtime_pass_takes_a_path_for_llama_cpp_and_not_for_transformers() 
         Runtime(backend="llama_cpp", url="http://127.0.0.1:1")
 
 
-def test_a_16_bit_dtype_is_a_widened_copy_and_excludes_a_gguf_requantization() -> None:
-    """dtype bfloat16 is accepted on llama_cpp (the GGUF widened to BF16); with the quantize pass's
-    gguf backend as well the plan is refused (one file, one weight type)."""
+def test_a_16_bit_dtype_is_a_widened_copy_and_a_gguf_quantization_replaces_it() -> None:
+    """dtype bfloat16 is accepted on llama_cpp (the GGUF widened to BF16); the quantize pass's gguf
+    backend on top names the file's one weight type (the ladder's next rung after BF16)."""
+    from fractal_opt.runtimes.llama_cpp.model_file import weight_type
+    from fractal_opt.weights.models import ModelSource
+
     bf16 = Plan(source="m.gguf", hardware=HardwarePlan(runtime="llama_cpp", dtype="bfloat16"))
     assert not [r for r in refusals(bf16) if "hardware.dtype" in r]
     both = bf16.replace_section("model", weight_bits=8, quant_backend="gguf", quant_method="q8_0")
-    assert any(r.startswith("hardware.dtype=") and "keep one" in r for r in refusals(both))
+    assert not [r for r in refusals(both) if "hardware.dtype" in r]
+    gguf = ModelSource("m.gguf", "gguf", Path("m.gguf"))
+    assert (weight_type(bf16, gguf), weight_type(both, gguf)) == ("BF16", "Q8_0")
 
 
 def test_the_engine_serves_through_a_child_process(fake_exe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

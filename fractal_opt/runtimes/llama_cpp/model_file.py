@@ -2,8 +2,9 @@
 
 llama.cpp computes in the stored weight types, so a plan's weights are one GGUF file: the quantize
 pass (backend gguf) names a block type of the weight ladder (``quant_method``: q8_0, q4_k_m, ...),
-a 16-bit dtype names a float type, and otherwise the source serves as it is (a GGUF) or as float32
-(a model folder, converted exactly). The runtime converts nothing itself: :func:`model_file` asks
+which replaces a 16-bit dtype kept before it (BF16 -> Q8_0 is the ladder's next rung, from the
+source's own weights); a 16-bit dtype names a float type; otherwise the source serves as it is (a
+GGUF) or as float32 (a model folder, converted exactly). The runtime converts nothing itself: :func:`model_file` asks
 :func:`fractal_opt.weights.ladder.gguf_file`, which runs llama.cpp's converter and llama-quantize.
 """
 

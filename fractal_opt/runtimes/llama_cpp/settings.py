@@ -131,9 +131,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("hardware.max_memory", lambda p: bool(p.hardware.max_memory), _ACCELERATE),
     Refusal("hardware.dtype", _dtype_unmapped, "llama.cpp computes in the GGUF's stored weight types; the dtypes it maps (a copy of the GGUF in that "
             f"type) are {['float32', *DTYPE_TYPES]}"),
-    Refusal("hardware.dtype", lambda p: not _dtype_unmapped(p) and p.hardware.dtype in DTYPE_TYPES and _gguf(p), lambda p: (
-        f"hardware.dtype={p.hardware.dtype!r}: the GGUF is rewritten in one weight type, and the plan also re-quantizes it to "
-        f"{p.model.quant_method} (quantize pass, backend gguf): keep one of the two")),
     Refusal("hardware.attention", lambda p: p.hardware.attention != "sdpa",
             "transformers attention kernels do not exist in llama.cpp, which uses its own (flash attention is its own setting)"),
     Refusal("hardware.matmul_precision", lambda p: p.hardware.matmul_precision != "highest", "TF32 matmul precision is a torch setting; llama.cpp's CPU kernels have none"),

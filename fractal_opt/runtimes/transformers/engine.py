@@ -55,6 +55,10 @@ __all__ = ["Encoded", "TransformersEngine", "clear_cache", "evict_except"]
 _MODEL_CACHE: OrderedDict[tuple, tuple[Any, Any]] = OrderedDict()
 _MODEL_CACHE_SIZE = 2
 MODES = ("sequential", "static", "continuous")
+# Tokens per forward pass when the quality probe scores a text through a quantized KV cache: each
+# step's positions attend to the earlier ones as the cache stores them (quanto keeps the newest 128
+# tokens in full precision, so a 1,024-token text reads most of its context back quantized).
+KV_SCORING_STEP = 32
 
 
 def evict_except(keep: set[tuple]) -> None:
@@ -321,19 +325,36 @@ class TransformersEngine(Engine):
     def next_token_logprobs(self, input_ids: torch.Tensor, *, chunk: int = 512) -> Iterator[torch.Tensor]:
         """Teacher-forced next-token log-probabilities for a 1-D token tensor, yielded in chunks of
         ``[<=chunk, vocab]`` (float32, CPU) so a long text never holds all its logits at once
-        (2,048 tokens × 49,152 vocab × 4 bytes would be 400 MB)."""
+        (2,048 tokens × 49,152 vocab × 4 bytes would be 400 MB).
+
+        The text is fed through the plan's own KV cache: with a quantized cache, in steps of
+        :data:`KV_SCORING_STEP` tokens, so every position attends to earlier ones read back from
+        the quantized cache, as decoding does (one pass over the whole text would attend to the
+        exact keys and values it just computed, and the KL would never see the cache)."""
         import torch
-        from transformers import DynamicCache
 
         with self.exclusive():
-            cache = DynamicCache()
-            for start in range(0, input_ids.numel(), chunk):
-                ids = input_ids[start : start + chunk].view(1, -1).to(self.model.device)
+            cache, step = self._scoring_cache(chunk)
+            rows: list[torch.Tensor] = []
+            for start in range(0, input_ids.numel(), step):
+                ids = input_ids[start : start + step].view(1, -1).to(self.model.device)
                 # transformers 5 calls the cache argument `cache` (`past_key_values` is deprecated);
-                # the DynamicCache grows in place, chunk after chunk.
+                # the cache grows in place, step after step.
                 out = self.model(input_ids=ids, cache=cache, use_cache=True)
-                yield torch.log_softmax(out.logits[0].float(), dim=-1).cpu()
+                rows.append(torch.log_softmax(out.logits[0].float(), dim=-1).cpu())
+                if sum(r.shape[0] for r in rows) >= chunk or start + step >= input_ids.numel():
+                    yield torch.cat(rows)
+                    rows = []
 
+    def _scoring_cache(self, chunk: int) -> tuple[Any, int]:
+        """The cache the plan decodes with, and the tokens fed per forward pass when scoring a text."""
+        from transformers import DynamicCache, QuantizedCache
+
+        m = self.plan.model
+        if m.kv_cache == "quantized":
+            config = self.model.config.get_text_config(decoder=True)
+            return QuantizedCache(backend=m.kv_backend or "quanto", config=config, nbits=m.kv_bits or 4), KV_SCORING_STEP
+        return DynamicCache(), chunk  # dynamic, static and offloaded caches hold the exact keys and values
 
 @dataclass(frozen=True)
 class Encoded:

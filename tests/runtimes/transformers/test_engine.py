@@ -233,3 +233,19 @@ def test_prepare_serves_the_suite_once_when_the_plan_compiles(tiny_dir, requests
         timings = engine.prepare(requests, Workload(max_new_tokens=7, seed=5))
         assert (timings == {}) if compile_mode is None else (set(timings) == {"compile_s"} and timings["compile_s"] >= 0)
     assert calls == [("default", requests, {"max_new_tokens": 7, "seed": 5})]
+
+
+@pytest.mark.integration  # three tiny-model builds and four reference scorings: about 8 s
+def test_kl_sees_a_quantized_kv_cache(tiny_dir):
+    """The KL probe feeds the reference through the plan's own KV cache: a 2-bit cache, read back
+    as decoding reads it, moves the KL away from 0, more than a 4-bit one; an exact cache leaves 0."""
+    from fractal_opt.quality.probes import QualityConfig, build_reference, model_probes
+    from fractal_opt.runtimes import build
+    from fractal_opt.tower.plan import ModelPlan, Plan
+
+    reference = build_reference(build(Plan(source=str(tiny_dir)), progress=lambda m: None), {}, QualityConfig(reference_tokens=512))
+    kl = {}
+    for bits in (None, 4, 2):
+        model = ModelPlan(kv_cache="quantized", kv_bits=bits, kv_backend="quanto") if bits else ModelPlan(kv_cache="static")
+        kl[bits] = model_probes(reference, build(Plan(source=str(tiny_dir), model=model), progress=lambda m: None))["kl_mean"]
+    assert kl[None] == 0.0 and 0 < kl[4] < kl[2], kl
