@@ -41,7 +41,7 @@ from ..language.recipe import Recipe
 from ..measure.metrics import Measurement, Sample
 from ..tower.plan import Plan
 from .outputs import write_outputs
-from .trace import Step
+from ..report.trace import Step
 
 __all__ = ["JOURNAL", "Journal", "differences", "fingerprint", "measurement_from_dict", "measurement_to_dict", "record_problem"]
 

@@ -30,7 +30,7 @@ from ..measure.metrics import Measurement
 from ..tower.plan import Plan
 from .journal import JOURNAL, Journal, fingerprint, measurement_from_dict, measurement_to_dict
 from .outputs import OUTPUTS, check_writable
-from .trace import Step, Trace
+from ..report.trace import Step, Trace
 
 __all__ = ["MEASURER_STATE", "Kept", "RunJournal", "check_out"]
 

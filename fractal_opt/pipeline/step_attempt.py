@@ -34,7 +34,7 @@ from .deadline import StepTimeout, abandoned, checkpoint
 from .gate import skip_reason
 from .resume import Kept
 from .step_measurement import Comparison, StepMeasurer
-from .trace import Step
+from ..report.trace import Step
 
 __all__ = ["StepEnv", "attempt"]
 
