@@ -190,17 +190,25 @@ class SlowedEngine(FakeEngine):
             self.per_token_s = nominal
 
 
-def test_a_final_slower_in_the_confirmation_than_in_its_own_step_is_reported_as_drift(fake_model, tmp_path):
-    """The kept bfloat16 plan decodes half as fast in the confirmation as in its step: report.md and
-    the terminal lines say "drift: ..." with both numbers; nothing is said when they agree."""
+def _slowed_in_the_confirmation(slowdown: float):
+    """A build of 1.5x faster bfloat16 fake engines that decode ``slowdown`` times slower once the
+    baseline is built again (the confirmation); the test resets ``SlowedEngine.slowdown``."""
     factory = SlowedEngine.factory(per_token_ms=2.0, speed={"hardware.dtype": {"bfloat16": 1.5}})
     base_builds = []
 
     def build(plan, **kwargs):
         if plan.hardware.dtype != "bfloat16":
             base_builds.append(plan)
-            SlowedEngine.slowdown[0] = 2.0 if len(base_builds) > 1 else 1.0  # the baseline rebuilt: the confirmation
+            SlowedEngine.slowdown[0] = slowdown if len(base_builds) > 1 else 1.0
         return factory(plan, **kwargs)
+
+    return build
+
+
+def test_a_final_slower_in_the_confirmation_than_in_its_own_step_is_reported_as_drift(fake_model, tmp_path):
+    """The kept bfloat16 plan decodes half as fast in the confirmation as in its step: report.md and
+    the terminal lines say "drift: ..." with both numbers; nothing is said when they agree."""
+    build = _slowed_in_the_confirmation(2.0)
 
     recipe = load_recipe(_bf16_recipe(fake_model, repeats=3), check_model=False)
     try:
@@ -436,14 +444,7 @@ def test_trace_json_holds_one_figure_per_metric_for_the_final_plan(fake_model, t
     holds a figure of the final plan (final.metrics, the confirmation's medians, the drift, the
     targets' values) holds one per metric, the confirmation's; the peak memory both plans could not
     show while resident together is the step's own."""
-    factory = SlowedEngine.factory(per_token_ms=2.0, speed={"hardware.dtype": {"bfloat16": 1.5}})
-    base_builds = []
-
-    def build(plan, **kwargs):
-        if plan.hardware.dtype != "bfloat16":
-            base_builds.append(plan)
-            SlowedEngine.slowdown[0] = 1.3 if len(base_builds) > 1 else 1.0  # the baseline rebuilt: the confirmation
-        return factory(plan, **kwargs)
+    build = _slowed_in_the_confirmation(1.3)
 
     recipe = _bf16_recipe(fake_model, repeats=2)
     recipe["targets"] = {"decode_tokens_per_s": 10_000, "e2e_ms": 1}
