@@ -1,7 +1,7 @@
 """What one user gets, per step: report.md and report.html show TTFT, streaming speed and answer time, previous plan -> step.
 
 Most tests build the trace by hand (as test_trace.py does) so the numbers are known; one runs the
-pipeline on fake engines (as test_report_html.py does) and reads the files it writes.
+pipeline on fake engines (as test_html.py does) and reads the files it writes.
 """
 
 from __future__ import annotations
