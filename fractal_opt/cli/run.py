@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_summary(result.trace, args.out), indent=2, allow_nan=False, default=str))
         return 0
     print(result.to_text())  # the answer first, then every step (fractal_opt/report/terminal.py)
-    print(f"Wrote {args.out}/trace.json, {args.out}/report.md, {args.out}/recipe.yaml")
+    print(f"Wrote {args.out}/trace.json, {args.out}/report.md, {args.out}/report.html, {args.out}/recipe.yaml")
     return 0
 
 

@@ -51,8 +51,8 @@ NAMES: dict[str, tuple[str, str]] = {
 }
 # Stored in another unit than the one written: $ per million tokens is written per 1,000.
 _SCALE = {"usd_per_m_tokens": 1e-3}
-# A change this large or larger (or as small or smaller as a ratio) reads better as a ratio: "5.78x".
-_RATIO_FROM = 1.0
+# From +50% up (1.5x) or a ratio of 0.5x down, a change reads as "how many times": "5.78x", "0.44x".
+_RATIO_FROM = 0.5
 
 
 def name_of(metric: str) -> tuple[str, str]:
@@ -61,7 +61,7 @@ def name_of(metric: str) -> tuple[str, str]:
 
 
 def change_text(change: float) -> str:
-    """``5.78x`` for a change of +478% or more (or a ratio of 0.5x or less), else ``+12.0%``."""
+    """``5.78x`` for a change of +50% or more (or a ratio of 0.5x or less), else ``+12.0%``."""
     ratio = 1 + change
     if change >= _RATIO_FROM or ratio <= 0.5:
         return f"{ratio:.2f}x"
