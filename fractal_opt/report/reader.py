@@ -233,11 +233,13 @@ class Reader:
         return quality if quality else self.baseline_quality()
 
     def eval_guard(self) -> dict[str, Any]:
-        """The eval set that guarded the run (``name``) and why (``why``), as the trace records it
-        (the quality numbers' ``eval_guard``); else the set the recipe names, no reason recorded; {} without one."""
-        for quality in (self.final_quality(), self.baseline_quality()):
-            if isinstance(guard := quality.get("eval_guard"), Mapping) and guard.get("name"):
-                return dict(guard)
-        recipe = self.trace.recipe or {}
-        name = eval_set_name((recipe.get("quality") or {}).get("eval", "auto"), str(recipe.get("model", "")))
-        return {"name": str(name)} if name else {}
+        """The eval set that guarded the run (``name``) and why (``why``), as the trace records them
+        (a step's quality ``eval_set``, the baseline's ``eval_why``); a trace written before they were
+        recorded: the set its recipe names, no reason; {} without one."""
+        final, base = self.final_quality(), self.baseline_quality()
+        name = final.get("eval_set") or base.get("eval_set")
+        if not isinstance(name, str) or not name:
+            recipe = self.trace.recipe or {}
+            name = eval_set_name((recipe.get("quality") or {}).get("eval", "auto"), str(recipe.get("model", "")))
+        why = base.get("eval_why")
+        return {k: v for k, v in (("name", name), ("why", why)) if isinstance(v, str) and v}

@@ -8,6 +8,7 @@ import re
 from demo_trace import demo_trace
 
 from fractal_opt.report import reader as reader_module
+from fractal_opt.report.first_screen import first_screen
 from fractal_opt.report.html import render_html
 from fractal_opt.report.markdown import report_md
 from fractal_opt.report.reader import Reader
@@ -57,11 +58,14 @@ def test_no_report_shows_a_final_figure_other_than_the_confirmations():
 
 
 def test_the_eval_that_guarded_the_run_is_read_from_the_trace_else_the_recipe():
-    """The quality numbers' eval_guard (name and why) when the trace has it; else the packaged set the recipe's `auto` names."""
+    """The set a step's quality names (eval_set) and why the baseline's says it guarded the run (eval_why);
+    for a trace without them, the packaged set the recipe's `auto` names."""
     trace = demo_trace()
     assert Reader(trace).eval_guard() == {"name": "basics"}
-    trace.steps[-1].metrics["quality"]["eval_guard"] = {"name": "chat-basics", "why": "the model answers in chat form"}
-    assert Reader(trace).eval_guard() == {"name": "chat-basics", "why": "the model answers in chat form"}
+    trace.steps[-1].metrics["quality"]["eval_set"] = "basics-completion"
+    trace.baseline.metrics["quality"]["eval_why"] = "quality.eval auto: the model has no chat template"
+    assert Reader(trace).eval_guard() == {"name": "basics-completion", "why": "quality.eval auto: the model has no chat template"}
+    assert first_screen(trace).answers.why == "quality.eval auto: the model has no chat template"
 
 
 def test_docstring_example_holds():
