@@ -25,6 +25,7 @@ from ..engine.registry import RUNTIMES, Runtimes
 from ..language.recipe import Recipe, load_recipe
 from ..measure.machine_limits import MachineLimits, probe_limits
 from ..measure.metrics import Measurement
+from ..report.trace import Step, Trace
 from ..tower.passes import Layer, Pass
 from ..tower.plan import Plan
 from ..workloads.workload import Request
@@ -40,7 +41,6 @@ from .step_attempt import StepEnv, attempt
 from .step_measurement import StepMeasurer, read_shape
 from .step_quality import StepQuality
 from .targets import note_targets, stop_reason
-from ..report.trace import Step, Trace
 
 __all__ = ["Pipeline", "Result", "optimize"]
 
