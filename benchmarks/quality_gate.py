@@ -111,10 +111,10 @@ def _verdict(layer: Layer, quality: dict[str, Any], baseline_quality: dict[str, 
     return policy.judge(layer, before, after, {objective: gain}, {objective: 0.05}, baseline=baseline_quality)
 
 
-def _one(name: str, reference: Any, items: list, base: dict[str, Any]) -> dict[str, Any]:
+def _one(name: str, reference: Any, items: list, base: dict[str, Any], say: Callable[..., None]) -> dict[str, Any]:
     harmful, layer, steps, mutate = CHANGES[name]
     t0 = time.perf_counter()
-    engine = build(_plan(steps), max_new_tokens=WORKLOAD.max_new_tokens)
+    engine = build(_plan(steps), max_new_tokens=WORKLOAD.max_new_tokens, progress=say)
     try:
         if mutate is not None:
             mutate(engine)
@@ -143,11 +143,12 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", choices=sorted(CHANGES), help="these changes only")
     args = ap.parse_args()
     names = args.only or list(CHANGES)
+    # With --json the JSON object is the whole of stdout: progress (ours and the runtimes' load lines) goes to stderr.
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     machine, load_before, t0 = Machine.probe(), os.getloadavg(), time.perf_counter()
     items = load_eval_set("basics")
     say("baseline: float32 transformers, scoring the reference text, the workload and the eval set")
-    engine = build(Plan(source=MODEL), max_new_tokens=WORKLOAD.max_new_tokens)
+    engine = build(Plan(source=MODEL), max_new_tokens=WORKLOAD.max_new_tokens, progress=say)
     reference = build_reference(engine, {}, QualityConfig())
     base = _evidence(engine, reference)
     reference.outputs = base.pop("outputs")
@@ -156,7 +157,7 @@ def main() -> int:
     say(f"baseline: eval {base['eval_passed']}/{base['eval_total']}; README question: {base['eval_items'][0]['answer']!r}")
     results = []
     for name in names:
-        r = _one(name, reference, items, base)
+        r = _one(name, reference, items, base, say)
         results.append(r)
         say(f"{'harmful' if r['harmful'] else 'harmless'} | {name}: {'KEPT' if r['kept'] else 'rolled back'} "
             f"(kl {r['kl_mean']}, agreement {r['agreement']}, eval lost {r['eval_lost']} gained {r['eval_gained']}, {r['seconds']} s) "
@@ -179,4 +180,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from fractal_opt.core.quiet import quiet_third_party
+
+    quiet_third_party()  # torchao's and torch's import-time warnings and load bars would come before the first line
     sys.exit(main())

@@ -319,4 +319,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":  # vLLM's engine spawns processes: keep the guard
+    from fractal_opt.core.quiet import quiet_third_party
+
+    quiet_third_party()  # torchao's and torch's import-time warnings and load bars would come before the first line
     sys.exit(main())

@@ -242,4 +242,7 @@ def _report(args, records: list[Record], samples: list, drained: dict, counted: 
 
 
 if __name__ == "__main__":
+    from fractal_opt.core.quiet import quiet_third_party
+
+    quiet_third_party()  # torchao's and torch's import-time warnings and load bars would come before the first line
     sys.exit(main())

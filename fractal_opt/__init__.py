@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .core.machine import Machine
     from .language.recipe import Recipe, dump_recipe, load_recipe
     from .pipeline.runner import Pipeline, Result, optimize
-    from .pipeline.trace import Trace
+    from .report.trace import Trace
     from .runtimes import Engine
     from .workloads.workload import Workload
 
@@ -68,7 +68,7 @@ _LAZY = {
     "Recipe": "language.recipe",
     "dump_recipe": "language.recipe",
     "load_recipe": "language.recipe",
-    "Trace": "pipeline.trace",
+    "Trace": "report.trace",
     "Workload": "workloads.workload",
 }
 

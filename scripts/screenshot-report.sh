@@ -3,9 +3,10 @@
 #
 #   scripts/screenshot-report.sh RUN_DIR [OUT.png] [--full] [--width PX] [--height PX]
 #
-# Default: the top of the page (what a reader sees first: the final plan against the baseline and
-# the tower), 1100 x 1400 px, written to RUN_DIR/report.png. --full takes the whole page (its
-# height is read from the rendered page). Needs chromium (Debian: apt-get install -y chromium).
+# Default: the first screen (what a reader sees first: the answer to the recipe's question, one user,
+# the offered load, the cost and the answers kept), 1100 x 900 px, written to RUN_DIR/report.png.
+# --full takes the whole page (its height is read from the rendered page). Needs chromium (Debian:
+# apt-get install -y chromium).
 set -euo pipefail
 
 usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -14,7 +15,7 @@ run_dir=$1; shift
 out=""
 full=0
 width=1100
-height=1400
+height=900
 while [ $# -gt 0 ]; do
     case $1 in
         --full) full=1 ;;
@@ -38,7 +39,7 @@ flags=(--headless --no-sandbox --disable-gpu --disable-quic --no-first-run --dis
        --disable-component-update --disable-sync --hide-scrollbars "--user-data-dir=$profile")
 url="file://$(cd "$(dirname "$report")" && pwd)/report.html"
 if [ "$full" -eq 1 ]; then
-    # The page records its laid-out height on <html data-page-height> (report_html.py's script).
+    # The page records its laid-out height on <html data-page-height> (fractal_opt/report/html.py's script).
     height=$("$browser" "${flags[@]}" "--window-size=$width,1000" --dump-dom "$url" 2>/dev/null \
         | grep -o 'data-page-height="[0-9]*"' | head -1 | grep -o '[0-9]*' || true)
     [ -n "$height" ] || { echo "screenshot-report: could not read the page height; is $report from fractal_opt?" >&2; exit 1; }

@@ -185,7 +185,7 @@ def _conclude(search: _Search) -> None:
 
 def load_run(run_dir: str | Path) -> Recipe:
     """The tuned recipe of a run folder: the kept passes of its ``trace.json``."""
-    from ..pipeline.trace import Trace
+    from ..report.trace import Trace
 
     path = Path(run_dir)
     trace_path = path / "trace.json" if path.is_dir() else path

@@ -23,6 +23,7 @@ from ..measure.metrics import METRICS
 from ..measure.noise import band
 from ..measure.runner import measure_pair, paired_changes
 from ..pipeline.targets import gaps
+from ..report.reader import Reader
 from ..tower.plan import Plan
 from .pairs import Build, Engines, PairResult
 
@@ -55,7 +56,7 @@ class Comparison:
 
     def pareto(self) -> dict[str, list[tuple[str, str]]]:
         """The Pareto set of every plan the two runs measured, per frontier (ids ``A3``: run A's step 3)."""
-        from ..pipeline.report_frontier import frontier_sets
+        from ..report.frontier import frontier_sets
 
         return frontier_sets([(f"{name}{i}", s) for side, name in ((self.a, "A"), (self.b, "B")) for i, s in side.measured])
 
@@ -101,7 +102,7 @@ class Comparison:
 
 def load_side(source: str | Path) -> Side:
     """A run folder (its ``trace.json``: the kept plan and its numbers) or a recipe file (its plan)."""
-    from ..pipeline.trace import Trace
+    from ..report.trace import Trace
 
     path = Path(source)
     trace_path = path / "trace.json" if path.is_dir() else path if path.name == "trace.json" else None
@@ -117,8 +118,8 @@ def load_side(source: str | Path) -> Side:
         plan = Plan.from_dict(final["plan"]) if final.get("plan") else recipe.plan()
         m = trace.machine or {}
         machine = f"{m.get('cpu', '?')}, GPUs: {', '.join(m.get('cuda_devices') or []) or 'none'}" if m else ""
-        steps = ([("0", trace.baseline)] if trace.baseline else []) + [(str(i), s) for i, s in enumerate(trace.steps, start=1)]
-        return Side(source=str(source), kind="run", recipe=recipe, plan=plan, metrics=dict(final.get("metrics") or {}), machine=machine, measured=steps)
+        reader = Reader(trace)  # the final plan's one figure per metric: its confirmation's where it measured one
+        return Side(source=str(source), kind="run", recipe=recipe, plan=plan, metrics=reader.final_metrics(), machine=machine, measured=reader.steps())
     recipe = load_recipe(path, check_model=False)  # comparing plans needs no model files
     return Side(source=str(source), kind="recipe", recipe=recipe, plan=recipe.plan())
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.machine import Machine
-from ..core.text import fmt
+from ..core.text import fmt, interval_text
 from ..engine.protocol import Engine
 from ..measure.metrics import METRICS, Measurement
 from ..measure.noise import band
@@ -56,7 +56,7 @@ class PairResult:
     def text(self) -> str:
         if self.change is None:
             return f"{self.metric}: not measured"
-        iv = f" [{self.interval[0]:+.1%}, {self.interval[1]:+.1%}]" if self.interval else ""
+        iv = f" {interval_text(self.change, *self.interval)}" if self.interval else ""
         word = "worse" if self.worse else "better" if self.better else "within noise"
         return f"{self.metric} {fmt(self.after, missing='–')} vs {fmt(self.before, missing='–')}: {self.change:+.1%}{iv}, band ±{self.band:.1%}: {word}"
 

@@ -69,7 +69,7 @@ def _measured(trace: dict) -> str | None:
 def _recorded_threads(trace: dict, runtime: str) -> int | None:
     """The thread count the final plan ran with (:meth:`Trace.ran_threads`); None without a
     trace, or when its final plan is on another runtime than the recipe's (a hand-edited recipe)."""
-    from ..pipeline.trace import Trace
+    from ..report.trace import Trace
 
     try:
         ran = Trace.from_dict(trace) if trace else None

@@ -31,9 +31,6 @@ def run(args: argparse.Namespace) -> int:
 
     from ..core.errors import RecipeError
     from ..language.recipe import load_recipe
-    from ..pipeline.confirm_text import final_lines
-    from ..pipeline.report import busy_warning
-    from ..pipeline.report_answers import answers_text
     from ..pipeline.runner import Pipeline
 
     if not args.out.strip():  # Path("") is the current folder: a run would write its files there
@@ -49,15 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_summary(result.trace, args.out), indent=2, allow_nan=False, default=str))
         return 0
-    print(result.trace.to_text())
-    print()
-    if warning := busy_warning(result.trace.calibration):  # the A/A band could not resolve min_effect
-        print(warning)
-    for line in final_lines(result.trace.final, markdown=False):  # final vs baseline: only the final confirmation's numbers
-        print(line)
-    for line in answers_text(result.trace):  # what the final plan answers, beside the baseline
-        print(line)
-    print(f"Wrote {args.out}/trace.json, {args.out}/report.md, {args.out}/recipe.yaml")
+    print(result.to_text())  # the answer first, then every step (fractal_opt/report/terminal.py)
+    print(f"Wrote {args.out}/trace.json, {args.out}/report.md, {args.out}/report.html, {args.out}/recipe.yaml")
     return 0
 
 

@@ -110,7 +110,7 @@ def _busier_than_run(source: str, plan) -> str | None:
 
     from ..measure.busier import busier_than_run
     from ..measure.busy import snapshot
-    from ..pipeline.trace import Trace
+    from ..report.trace import Trace
 
     path = Path(source) / "trace.json"
     if not path.is_file():

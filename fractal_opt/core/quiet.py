@@ -1,8 +1,9 @@
 """Silence third-party chatter (load bars, import-time warnings) where our own report is the output.
 
-Used by the CLI and by :func:`fractal_opt.optimize` / ``Pipeline.run``, so a notebook shows the
-same clean progress as the terminal. A setting the user made (an environment variable set before)
-wins; nothing here imports torch or transformers.
+The one place that does: used by the CLI, by :func:`fractal_opt.optimize` / ``Pipeline.run`` (so
+a notebook shows the same clean progress as the terminal) and by the benchmarks before their first
+line. A setting the user made (an environment variable set before) wins; nothing here imports
+torch or transformers.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ def quiet_third_party() -> None:
     # tqdm.auto in a notebook without ipywidgets warns on import (transformers imports it); the bars are off anyway.
     warnings.filterwarnings("ignore", message="IProgress not found")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if not _on_a_terminal():
+        # Written to a file or a pipe (`make demo | tee`, CI), a bar's redraws pile up on one line
+        # of thousands of characters (transformers' GGUF -> safetensors conversion draws a plain
+        # tqdm bar); tqdm reads TQDM_DISABLE when it is imported. On a terminal a bar redraws in place.
+        os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     # The variables are read at import; a notebook may have imported these already.
@@ -35,3 +41,11 @@ def quiet_third_party() -> None:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
+
+
+def _on_a_terminal() -> bool:
+    """Whether stderr, where progress bars draw, is a terminal."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        return False

@@ -1,8 +1,12 @@
-"""How the project writes a number or a piece of text for a reader: one formatter, one clipper.
+"""How the project writes a number or a piece of text for a reader: one formatter, one clipper,
+one rule for an interval.
 
 Verdicts, reasons, target gaps, the terminal's tables and the reports all quote numbers and cut
 long text the same way, so a value reads the same wherever it appears ("17.4 -> 18.7" in a
-guard's reason, the progress line and report.md alike).
+guard's reason, the progress line and report.md alike). A paired change's 95% interval is printed
+as numbers only when it bounds the change: one wider than 10 times its estimate (two rounds of a
+noisy metric: "+15.3% [95%: -64.0%, +269.1%]") says nothing a reader can use, so it is written
+as ``too few rounds to bound`` (:func:`interval_text`).
 
 Example:
     >>> from fractal_opt.core.text import clip, fmt
@@ -10,6 +14,8 @@ Example:
     ('7.912', '513.1', '30.0', '30', 'n/a')
     >>> clip("a  long\\nanswer", 8)
     'a long …'
+    >>> interval_text(0.10, -0.01, 0.21), interval_text(0.153, -0.64, 2.691)
+    ('[95%: -1.0%, +21.0%]', 'too few rounds to bound')
 """
 
 from __future__ import annotations
@@ -17,7 +23,11 @@ from __future__ import annotations
 import math
 import textwrap
 
-__all__ = ["clip", "fmt"]
+__all__ = ["UNBOUNDED", "bounded", "clip", "fmt", "interval_text"]
+
+# An interval at most this many times as wide as its estimate is printed as numbers.
+BOUND_RATIO = 10.0
+UNBOUNDED = "too few rounds to bound"
 
 
 def fmt(v: object, *, missing: str = "n/a", whole: bool = False) -> str:
@@ -50,3 +60,19 @@ def clip(text: str, width: int, *, tail: str = "…", words: bool = False) -> st
     if words:
         return textwrap.shorten(flat, width, placeholder=tail)
     return flat[: max(0, width - len(tail))] + tail
+
+
+def bounded(change: float, low: float, high: float) -> bool:
+    """Whether a change's interval ``[low, high]`` is narrow enough to print: at most
+    :data:`BOUND_RATIO` times as wide as the estimate (its distance from no change)."""
+    return math.isfinite(high - low) and (high - low) <= BOUND_RATIO * abs(change)
+
+
+def interval_text(change: float, low: float, high: float, *, ratio: bool = False) -> str:
+    """``[95%: -8.6%, -3.0%]`` (``ratio``: ``[95%: 5.20x, 6.41x]``), or :data:`UNBOUNDED` when
+    the interval does not bound the change (:func:`bounded`)."""
+    if not bounded(change, low, high):
+        return UNBOUNDED
+    if ratio:
+        return f"[95%: {1 + low:.2f}x, {1 + high:.2f}x]"
+    return f"[95%: {low:+.1%}, {high:+.1%}]"

@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.text import fmt
+from ..core.text import fmt, interval_text
 from ..measure.metrics import METRICS
 
 __all__ = ["ALL_METRICS", "CENSUS_METRICS", "QUALITY_METRICS", "WORSE_P", "Evidence", "Finding", "Guard", "finite", "fmt", "move"]
@@ -230,5 +230,5 @@ def move(metric: str, ev: Evidence, change: float) -> str:
     if metric in CENSUS_METRICS:
         return f"{change:+.1%} ({b} -> {a})"
     interval = ev.intervals.get(metric)
-    ci = f" [95%: {interval[0]:+.1%}, {interval[1]:+.1%}]" if interval and len(interval) == 2 else ""
+    ci = f" {interval_text(change, *interval)}" if interval and len(interval) == 2 else ""  # "too few rounds to bound" when it bounds nothing
     return f"paired estimate {change:+.1%}{ci}, medians {b} -> {a}"

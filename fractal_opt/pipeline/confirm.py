@@ -47,17 +47,20 @@ from ..measure.metrics import METRICS, Measurement
 from ..measure.noise import band
 from ..measure.rounds import offered_clients
 from ..measure.runner import measure, measure_pair, paired_changes
+from ..report.confirmation import HEADLINE
+from ..report.reader import Reader
+from .targets import note_targets
 
 if TYPE_CHECKING:
     from ..engine.protocol import Engine
     from ..tower.plan import Plan
     from .step_measurement import StepMeasurer
 
-__all__ = ["HEADLINE", "confirm", "drift", "failed", "offered_entries", "offered_loads", "same_plan", "unchanged"]
+__all__ = ["RESIDENT", "confirm", "drift", "failed", "offered_entries", "offered_loads", "same_plan", "settle", "unchanged"]
 
-# The numbers "final vs baseline" spells out (trace.json keeps every metric's interval). Peak
-# memory is left out: interleaving keeps both models resident, so it cannot show either plan's own.
-HEADLINE = ("decode_tokens_per_s", "ttft_ms", "e2e_ms", "throughput_tokens_per_s", "ttft_ms_p90", "itl_ms_p90")
+# Numbers of the process rather than of a plan while both plans are resident (interleaved): the
+# confirmation leaves them out, so the final plan's figure is its own step's, measured alone.
+RESIDENT = ("peak_memory_mb", "memory_headroom_mb")
 
 
 def same_plan(a: Plan, b: Plan) -> bool:
@@ -288,7 +291,7 @@ def record(
     metrics: dict[str, dict[str, Any]] = {}
     for m in METRICS:
         iv = intervals.get(m)
-        if iv is None:
+        if iv is None or (mode == "interleaved" and m in RESIDENT):
             continue
         width = round(band(iv, min_effect=min_effect, drift=drift.get(m)), 4)
         gain = iv.change if METRICS[m] else -iv.change
@@ -312,6 +315,16 @@ def record(
         confirmation["not_confirmed"] = why
     vs = {m: metrics[m]["change"] for m in (*HEADLINE, "weight_mb") if m in metrics}
     return {"status": status, "vs_baseline": vs, "confirmation": confirmation}
+
+
+def settle(trace: Any) -> None:
+    """After a confirmation measured the final plan: ``trace.final["metrics"]`` holds one figure per
+    metric, the confirmation's wherever it measured one (at the final plan's offered load,
+    :meth:`~fractal_opt.report.reader.Reader.final_metrics`), the step's elsewhere (quality, the
+    census, the peak memory a plan shows alone), and the targets are judged on those figures."""
+    if trace.final.get("status") in ("confirmed", "not_confirmed"):
+        trace.final["metrics"] = Reader(trace).final_metrics()
+        note_targets(trace)
 
 
 def drift(fields: Mapping[str, Any], *, step: str, objective: str, in_step: Any, calibration: Mapping[str, Any],

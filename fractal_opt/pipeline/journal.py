@@ -39,9 +39,9 @@ from ..core.errors import ResumeError
 from ..core.machine import Machine
 from ..language.recipe import Recipe
 from ..measure.metrics import Measurement, Sample
+from ..report.trace import Step
 from ..tower.plan import Plan
 from .outputs import write_outputs
-from .trace import Step
 
 __all__ = ["JOURNAL", "Journal", "differences", "fingerprint", "measurement_from_dict", "measurement_to_dict", "record_problem"]
 

@@ -8,7 +8,7 @@ no guard forbids: decode_tokens_per_s -64%"). The final plan then cannot beat th
 earlier objective by the earlier step's margin, and requiring it would call every such trade "not
 confirmed". So an objective is *traded* when a later kept step, judged on another objective, made
 it worse beyond that step's own threshold; the confirmation reports it with the step that traded
-it and does not require it to improve (:func:`~.confirm_text.traded_lines` writes it). Every other kept layer's objective must still improve
+it and does not require it to improve (:func:`fractal_opt.report.confirmation.traded_lines` writes it). Every other kept layer's objective must still improve
 beyond noise against the baseline.
 
 Example:

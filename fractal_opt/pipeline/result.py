@@ -6,9 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..language.recipe import Recipe, dump_recipe
+from ..report.html import render_fragment, render_html
+from ..report.markdown import report_md
+from ..report.terminal import summary
+from ..report.trace import Trace
 from ..tower.plan import Plan
 from .outputs import write_outputs
-from .trace import Trace
 
 __all__ = ["Result", "write_run"]
 
@@ -24,7 +27,15 @@ class Result:
 
     def _repr_html_(self) -> str:
         """In a notebook: the same content as report.html."""
-        return self.trace._repr_html_()
+        return render_fragment(self.trace)
+
+    def to_text(self, width: int = 120) -> str:
+        """What the terminal shows when the run ends: the answer first, then every step (:func:`fractal_opt.report.terminal.summary`)."""
+        return summary(self.trace, width)
+
+    def to_markdown(self) -> str:
+        """report.md's text (:func:`fractal_opt.report.markdown.report_md`)."""
+        return report_md(self.trace)
 
     def __repr__(self) -> str:
         where = f"\n  results in {self.out_dir} (report.html, report.md, trace.json, recipe.yaml)" if self.out_dir else ""
@@ -42,7 +53,7 @@ def write_run(out_dir: Path, recipe: Recipe, trace: Trace) -> None:
     )
     write_outputs(out_dir, {
         "trace.json": trace.to_json(),
-        "report.md": trace.to_markdown(),
-        "report.html": trace.to_html(),  # the same run as pictures
+        "report.md": report_md(trace),
+        "report.html": render_html(trace),  # the same run as pictures
         "recipe.yaml": dump_recipe(trace.to_recipe(), header=header),
     })

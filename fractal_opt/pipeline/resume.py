@@ -27,10 +27,10 @@ from ..core.errors import RecipeError, ResumeError
 from ..core.machine import Machine
 from ..language.recipe import Recipe
 from ..measure.metrics import Measurement
+from ..report.trace import Step, Trace
 from ..tower.plan import Plan
 from .journal import JOURNAL, Journal, fingerprint, measurement_from_dict, measurement_to_dict
 from .outputs import OUTPUTS, check_writable
-from .trace import Step, Trace
 
 __all__ = ["MEASURER_STATE", "Kept", "RunJournal", "check_out"]
 

@@ -85,14 +85,3 @@ def run_info(recipe: dict[str, Any], machine: dict[str, Any]) -> dict[str, Any]:
         "ended_at": None,
         "model": model_fingerprint(str(recipe.get("model", ""))),
     }
-
-
-def wall_time(run: dict[str, Any]) -> str | None:
-    """``"14 min 7 s"``: the wall clock from the trace's ``started_at`` to its ``ended_at``
-    as the trace records them; None when either is missing."""
-    try:
-        seconds = (datetime.fromisoformat(run["ended_at"]) - datetime.fromisoformat(run["started_at"])).total_seconds()
-    except (KeyError, TypeError, ValueError):
-        return None
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes} min {secs} s" if minutes else f"{secs} s"

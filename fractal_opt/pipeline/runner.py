@@ -25,6 +25,7 @@ from ..engine.registry import RUNTIMES, Runtimes
 from ..language.recipe import Recipe, load_recipe
 from ..measure.machine_limits import MachineLimits, probe_limits
 from ..measure.metrics import Measurement
+from ..report.trace import Step, Trace
 from ..tower.passes import Layer, Pass
 from ..tower.plan import Plan
 from ..workloads.workload import Request
@@ -35,16 +36,15 @@ from .objectives import annotate, measured_alone, split_objectives
 from .progress import Progress
 from .result import Result, write_run
 from .resume import MEASURER_STATE, Kept, RunJournal, check_out
+from .run_info import now, run_info
 from .step_attempt import StepEnv, attempt
 from .step_measurement import StepMeasurer, read_shape
 from .step_quality import StepQuality
 from .targets import note_targets, stop_reason
-from .trace import Step, Trace
 
 __all__ = ["Pipeline", "Result", "optimize"]
 
-# What a build function looks like: a registry's build, or a test's fake.
-Build = Callable[..., Engine]
+Build = Callable[..., Engine]  # what a build function looks like: a registry's build, or a test's fake
 
 
 class Pipeline:
@@ -84,8 +84,7 @@ class Pipeline:
             check_out(self.out_dir, resume=resume, force=force)  # a file, an unwritable folder, another run's folder: refused before anything loads
         self.progress = progress if callable(progress) else Progress(bool(progress))
         self.machine, self.runtimes = machine, runtimes or RUNTIMES
-        self.build = build or self.runtimes.build
-        self.refuse = refuse or self.runtimes.refuse
+        self.build, self.refuse = build or self.runtimes.build, refuse or self.runtimes.refuse
         self.limits, self.stop_at_target, self.wait_quiet = limits, stop_at_target, wait_quiet  # wait_quiet: seconds the calibration may wait for a quiet CPU
         self.quality = StepQuality(self.recipe, progress=self.progress)  # loads the eval set and probes: bad ones fail before any model loads
         # The state of one run, set by run(): the kept state, and what measures and records it.
@@ -94,14 +93,14 @@ class Pipeline:
         self._trace = Trace(recipe=self.recipe.to_dict())
         self._requests: list[Request] = []
         self._steps: StepMeasurer | None = None
-        self._machine: Machine | None = None
+        self._machine: Machine | None = None  # the probed machine, with the recipe's price
         self._limits: MachineLimits | None = None  # the ceilings in use (given, probed, or from the journal)
         self._stage = ""  # what the step in progress is doing, for its failure message
 
     # ------------------------------------------------------------------ the run
     def run(self) -> Result:
         machine = self._machine = self.recipe.machine.on(self.machine or Machine.probe())  # the recipe's machine price, for the cost per token
-        self._trace = Trace(recipe=self.recipe.to_dict(), machine=machine.to_dict())
+        self._trace = Trace(recipe=self.recipe.to_dict(), machine=machine.to_dict(), run=run_info(self.recipe.to_dict(), machine.to_dict()))
         self._requests = self.recipe.workload.requests()
         passes = list(self.recipe.passes)
         self.journal.open(self.recipe, machine, resume=self.resume)  # refuses a resume whose inputs changed
@@ -113,8 +112,7 @@ class Pipeline:
                 self._skip(step, f"[{index}/{len(passes)}] {p.layer.section}/{p.describe()}", done)
                 self._record(step, "")
                 continue
-            # A pass runs as the steps it proposes one at a time (a search: from its levels' outcomes).
-            steps = PassSteps(p)
+            steps = PassSteps(p)  # a pass runs as the steps it proposes one at a time (a search: from its levels' outcomes)
             for s in steps:
                 label = f"{steps.label(index, len(passes))} {s.layer.section}/{s.describe()}"
                 step = Step(pass_name=s.name, layer=s.layer.section, params=s.params(), status="", reason="")
@@ -273,7 +271,7 @@ class Pipeline:
         timings.update({name: round(seconds, 2) for name, seconds in engine.prepare(self._requests, workload).items()})
         return engine, timings
 
-    def _skip(self, step: Step, label: str, reason: str) -> None:
+    def _skip(self, step: Step, label: str, reason: str) -> None:  # a step not tried, and why
         step.status, step.reason = "skipped", reason
         self.progress(f"{label}: skipped ({reason.removeprefix('check: ')})")
 
@@ -328,9 +326,11 @@ class Pipeline:
             fields = confirm.failed(e)
             self.progress(f"final: the confirmation failed ({fields['confirmation']['error'][:120]})")
         self._trace.final.update(fields)
+        confirm.settle(self._trace)  # one figure per metric for the final plan: the confirmation's
         self.journal.append_final(self._trace.final)
 
     def _save(self) -> None:
+        self._trace.run["ended_at"] = now()  # the last moment known; the save after the last step is the end
         if self.out_dir is not None:
             write_run(self.out_dir, self.recipe, self._trace)
 

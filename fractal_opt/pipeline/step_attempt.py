@@ -27,6 +27,7 @@ from ..language.policy import Verdict
 from ..language.recipe import Recipe
 from ..measure.metrics import Measurement
 from ..quality.probes import agreement_between
+from ..report.trace import Step
 from ..tower.passes import Layer, Pass
 from ..tower.plan import Plan
 from . import records
@@ -34,7 +35,6 @@ from .deadline import StepTimeout, abandoned, checkpoint
 from .gate import skip_reason
 from .resume import Kept
 from .step_measurement import Comparison, StepMeasurer
-from .trace import Step
 
 __all__ = ["StepEnv", "attempt"]
 

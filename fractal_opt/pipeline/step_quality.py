@@ -82,7 +82,7 @@ class StepQuality:
 
     def measured(self, engine: Engine, m: Measurement) -> dict[str, Any]:
         """What the step's measured outputs say without a model call: greedy agreement with the
-        baseline's answers, and the answers as text (the side-by-side answers, report_answers.py).
+        baseline's answers, and the answers as text (the side-by-side answers, report/answers.py).
         A step whose quality cannot decide its verdict records only these."""
         out = agreement(self.reference, m.outputs, cap=engine.plan.application.max_new_tokens)
         return {**out, **_answers(engine, m.outputs, getattr(self, "_decode", None))}

@@ -3,7 +3,7 @@
 A recipe may name what it wants (``targets: {decode_tokens_per_s: 30, ttft_ms_p90: 800}``). The
 baseline shows how far it is from each ("decode_tokens_per_s 7.9 vs 30: 3.8x short"), every
 measured step shows what is left for the plan kept after it, the final report says which were
-met, and ``--stop-at-target`` ends a run once all are. A target no pass reached is explained by
+met (:mod:`fractal_opt.report.targets` writes it), and ``--stop-at-target`` ends a run once all are. A target no pass reached is explained by
 the roofline of the final plan (``metrics["roofline"]``) against the machine's ceilings
 (``trace.machine["limits"]``): how many bytes or FLOPs the target needs, and what this machine gives.
 
@@ -23,10 +23,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core.text import fmt
-from ..language.policy import ALL_METRICS
 from ..language.targets import Target, Targets, parse_targets
 
-__all__ = ["Target", "Targets", "all_met", "binding_limit", "gaps", "note_targets", "parse_targets", "stop_reason", "target_lines", "target_summary"]
+__all__ = ["Target", "Targets", "all_met", "binding_limit", "gaps", "note_targets", "parse_targets", "stop_reason"]
 
 
 def _value(metrics: Mapping[str, Any], metric: str) -> float | None:
@@ -122,42 +121,3 @@ def stop_reason(trace: Any) -> str | None:
     if not all_met(left):
         return None
     return "stop-at-target: every target is met (" + "; ".join(f"{m} {g['text']}" for m, g in left.items()) + ")"
-
-
-# ---------------------------------------------------------------------------- rendering
-
-def target_lines(recipe: Mapping[str, Any], baseline: Any, steps: list[Any], final: Mapping[str, Any]) -> list[str]:
-    """Markdown lines of a run's targets: the gap at the baseline, what is left after each measured
-    step, and which were met at the end (with the binding limit of those that were not).
-    Empty when the recipe has no targets."""
-    targets = recipe.get("targets") or {}
-    if not targets:
-        return []
-    names = list(targets)
-    out = ["Targets (" + ", ".join(f"{m} {'>=' if ALL_METRICS.get(m, True) else '<='} {fmt(v, whole=True)}" for m, v in targets.items()) + "); "
-           "what is left for the plan kept after each step:", "",
-           "| step | status | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
-    for s in ([baseline] if baseline else []) + list(steps):
-        left = (s.metrics or {}).get("targets")
-        if not left:
-            continue
-        label = "baseline" if s.status == "baseline" else f"{s.layer}/{s.pass_name}"
-        cells = [left.get(m, {}).get("text", "–") for m in names]
-        out.append("| " + " | ".join(c.replace("|", "\\|") for c in [label, s.status, *cells]) + " |")
-    out.append("")
-    summary = target_summary(final)
-    return [*out, *summary, ""] if summary else out
-
-
-def target_summary(final: Mapping[str, Any]) -> list[str]:
-    """Which targets the plan kept at the end meets, and for each one it misses, the binding limit."""
-    result = final.get("targets") or {}
-    if not result:
-        return []
-    met = [m for m, g in result.items() if g.get("met")]
-    missed = [m for m, g in result.items() if not g.get("met")]
-    out = [f"Targets met: {', '.join(met) if met else 'none'}" + (f"; not met: {', '.join(missed)}." if missed else ". Every target is met.")]
-    for m in missed:
-        why = result[m].get("binding")
-        out.append(f"- {m} ({result[m].get('text')}): {why}" if why else f"- {m}: {result[m].get('text')}")
-    return out

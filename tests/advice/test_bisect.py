@@ -9,7 +9,7 @@ import pytest
 from fractal_opt.advice.bisect import bisect, bisect_run, load_run
 from fractal_opt.core.errors import RecipeError
 from fractal_opt.language.recipe import load_recipe
-from fractal_opt.pipeline.trace import Step, Trace
+from fractal_opt.report.trace import Step, Trace
 from fractal_opt.testing import FakeEngine, cpu_machine
 
 # Four kept passes, one per plan field the fake engine can be told about.

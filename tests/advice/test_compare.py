@@ -8,7 +8,7 @@ import yaml
 from fractal_opt.advice.compare import compare, load_side, plan_diff
 from fractal_opt.core.errors import RecipeError
 from fractal_opt.language.recipe import load_recipe
-from fractal_opt.pipeline.trace import Step, Trace
+from fractal_opt.report.trace import Step, Trace
 from fractal_opt.testing import FakeEngine, cpu_machine
 from fractal_opt.tower.plan import Plan
 

@@ -20,7 +20,7 @@ def test_a_change_inside_the_band_is_neither():
     """A 3% change inside a 5% band is 'within noise', in the text too."""
     pair = _pair("decode_tokens_per_s", 0.03)
     assert not pair.worse and not pair.better
-    assert pair.text() == "decode_tokens_per_s 103.0 vs 100.0: +3.0% [+2.0%, +4.0%], band ±5.0%: within noise"
+    assert pair.text() == "decode_tokens_per_s 103.0 vs 100.0: +3.0% [95%: +2.0%, +4.0%], band ±5.0%: within noise"
 
 
 def test_an_unmeasured_metric_is_neither_and_says_so():

@@ -1,10 +1,10 @@
-"""One number formatter and one clipper: a value reads the same in a verdict, a table and a report."""
+"""One number formatter, one clipper, one rule for an interval: a value reads the same in a verdict, a table and a report."""
 
 from __future__ import annotations
 
 import math
 
-from fractal_opt.core.text import clip, fmt
+from fractal_opt.core.text import bounded, clip, fmt, interval_text
 
 
 def test_numbers_read_as_a_person_writes_them():
@@ -34,3 +34,11 @@ def test_prose_is_cut_at_a_word_boundary_with_its_own_tail():
     reason = "rolled back: decode_tokens_per_s -12.3% beyond noise, guard kl_mean tripped"
     out = clip(reason, 40, tail=" … [report.md]", words=True)
     assert out == "rolled back: … [report.md]" and len(out) <= 40
+
+
+def test_an_interval_is_printed_only_when_it_bounds_its_change():
+    """An interval at most 10x as wide as its estimate is printed (as a ratio when asked); a wider one says too few rounds."""
+    assert interval_text(-0.321, -0.369, -0.269) == "[95%: -36.9%, -26.9%]"
+    assert interval_text(4.78, 4.2, 5.41, ratio=True) == "[95%: 5.20x, 6.41x]"
+    assert interval_text(0.82, -0.652, 8.524) == "too few rounds to bound"  # two rounds of TTFT p90 at one client
+    assert bounded(0.1, 0.0, 1.0) and not bounded(0.1, 0.0, 1.01) and not bounded(0.0, -0.01, 0.01)

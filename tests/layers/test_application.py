@@ -231,7 +231,7 @@ def test_cap_that_cuts_needed_answers_is_rolled_back(lively_dir, requests, small
     assert result.trace.baseline.value("accuracy") == 1.0
     assert step.status == "rolled_back" and "accuracy" in step.reason, step.reason
     assert step.value("accuracy") < 1.0 and step.metrics["hit_cap"] == 1.0
-    assert "hit cap" in result.trace.to_markdown()
+    assert "hit cap" in result.to_markdown()
 
 
 @pytest.mark.parametrize("name", ["rag", "chatbot"])

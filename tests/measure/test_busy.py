@@ -17,7 +17,7 @@ from conftest import small_recipe_dict
 from fractal_opt.measure import busy
 from fractal_opt.measure.busy import BusySnapshot, snapshot, wait_quiet
 from fractal_opt.measure.machine_limits import MachineLimits
-from fractal_opt.pipeline.report import busy_warning, calibration_lines
+from fractal_opt.report.measurement import busy_warning, calibration_lines
 from fractal_opt.pipeline.step_measurement import CALIBRATION_MAX_ROUNDS, StepMeasurer, calibration_rounds
 from fractal_opt.testing import FakeEngine, cpu_machine
 from fractal_opt.tower.plan import Plan
@@ -221,16 +221,18 @@ def test_a_wide_band_on_a_quiet_machine_is_called_noisy_not_busy():
 
 
 def test_run_command_passes_wait_quiet_and_prints_the_warning(monkeypatch, capsys, tmp_path):
-    """`fractal-opt run R --wait-quiet 30` hands 30 s to the pipeline; the busy warning is printed after the table."""
+    """`fractal-opt run R --wait-quiet 30` hands 30 s to the pipeline; the busy warning is printed under the answer."""
     import argparse
     import types
 
     from fractal_opt.cli import run as run_cli
     from fractal_opt.pipeline import runner
+    from fractal_opt.report.trace import Trace
+    from fractal_opt.tower.plan import Plan
 
     seen = {}
     calibration = {"resolves": False, "resolution": {"decode_tokens_per_s": 0.7}, "rounds": 6, "min_effect": 0.05, "busy": {"busy": True, "text": "load 5"}}
-    trace = types.SimpleNamespace(to_text=lambda: "table", final={}, calibration=calibration)
+    trace = Trace(recipe={"name": "r"}, calibration=calibration)
 
     class Recorded:
         """Stands in for the Pipeline the command builds: records its arguments, runs nothing."""
@@ -239,7 +241,7 @@ def test_run_command_passes_wait_quiet_and_prints_the_warning(monkeypatch, capsy
             seen.update(kw)
 
         def run(self):
-            return types.SimpleNamespace(trace=trace)
+            return runner.Result(plan=Plan(source="fake"), trace=trace, recipe=None)  # type: ignore[arg-type]
 
     monkeypatch.setattr(runner, "Pipeline", Recorded)
     monkeypatch.setattr(runner, "optimize", lambda recipe, **kw: Recorded(recipe, **kw).run())

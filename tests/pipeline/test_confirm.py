@@ -10,11 +10,15 @@ import pytest
 from conftest import small_recipe_dict
 
 from fractal_opt.language.recipe import load_recipe
+from demo_trace import demo_trace, final_figures
+
+from fractal_opt.core.text import interval_text
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.measure.rounds import LoadRounds
 from fractal_opt.measure.runner import measure_pair
-from fractal_opt.pipeline import confirm, confirm_text
+from fractal_opt.pipeline import confirm
 from fractal_opt.pipeline.runner import Pipeline
+from fractal_opt.report import confirmation as confirm_text
 from fractal_opt.pipeline.step_measurement import StepMeasurer
 from fractal_opt.serving.server import Server
 from fractal_opt.testing import FakeEngine, cpu_machine
@@ -99,7 +103,7 @@ def test_final_vs_baseline_is_printed_from_the_confirmation_only(planted):
     low, high = decode["interval"]
     report = (out / "report.md").read_text()
     assert "Final vs baseline (baseline and final plan measured again after the last step, interleaved" in report
-    assert f"| decode_tokens_per_s | {decode['change']:+.1%} [{low:+.1%}, {high:+.1%}] |" in report
+    assert f"| decode_tokens_per_s | {decode['change']:+.1%} [95%: {low:+.1%}, {high:+.1%}] |" in report  # +10%: an interval that bounds it
     assert "Confirmed: decode_tokens_per_s better than the baseline beyond noise." in report
     text = "\n".join(confirm_text.final_lines(result.trace.final, markdown=False))
     assert f"decode_tokens_per_s: paired estimate {decode['change']:+.1%} [95%: {low:+.1%}, {high:+.1%}]" in text
@@ -186,17 +190,25 @@ class SlowedEngine(FakeEngine):
             self.per_token_s = nominal
 
 
-def test_a_final_slower_in_the_confirmation_than_in_its_own_step_is_reported_as_drift(fake_model, tmp_path):
-    """The kept bfloat16 plan decodes half as fast in the confirmation as in its step: report.md and
-    the terminal lines say "drift: ..." with both numbers; nothing is said when they agree."""
+def _slowed_in_the_confirmation(slowdown: float):
+    """A build of 1.5x faster bfloat16 fake engines that decode ``slowdown`` times slower once the
+    baseline is built again (the confirmation); the test resets ``SlowedEngine.slowdown``."""
     factory = SlowedEngine.factory(per_token_ms=2.0, speed={"hardware.dtype": {"bfloat16": 1.5}})
     base_builds = []
 
     def build(plan, **kwargs):
         if plan.hardware.dtype != "bfloat16":
             base_builds.append(plan)
-            SlowedEngine.slowdown[0] = 2.0 if len(base_builds) > 1 else 1.0  # the baseline rebuilt: the confirmation
+            SlowedEngine.slowdown[0] = slowdown if len(base_builds) > 1 else 1.0
         return factory(plan, **kwargs)
+
+    return build
+
+
+def test_a_final_slower_in_the_confirmation_than_in_its_own_step_is_reported_as_drift(fake_model, tmp_path):
+    """The kept bfloat16 plan decodes half as fast in the confirmation as in its step: report.md and
+    the terminal lines say "drift: ..." with both numbers; nothing is said when they agree."""
+    build = _slowed_in_the_confirmation(2.0)
 
     recipe = load_recipe(_bf16_recipe(fake_model, repeats=3), check_model=False)
     try:
@@ -369,7 +381,7 @@ def test_report_and_terminal_show_the_other_load_beside_the_headline():
     md = confirm_text.final_lines(final)
     assert md[2].startswith("Final vs baseline (baseline and final plan measured again after the last step, interleaved (A B / B A), at 4 clients")
     assert beside in md and md.index(beside) > md.index(next(t for t in md if t.startswith("| decode_tokens_per_s")))
-    row = f"| decode_tokens_per_s | {d['change']:+.1%} [{d['interval'][0]:+.1%}, {d['interval'][1]:+.1%}] |"
+    row = f"| decode_tokens_per_s | {d['change']:+.1%} {interval_text(d['change'], *d['interval'])} |"
     assert any(t.startswith(row) for t in md[md.index(beside):])
     text = confirm_text.final_lines(final, markdown=False)
     assert beside in text and f"  decode_tokens_per_s: paired estimate {d['change']:+.1%}" in text[text.index(beside) + 1]
@@ -423,3 +435,42 @@ def test_a_discarded_load_round_leaves_no_counts_behind():
     source.serve(0)
     source.forget_round()
     assert len(source.extra()["load"]["rounds"]) == 1
+
+
+# ---------------------------------------------------------------------------- one figure per metric
+
+def test_trace_json_holds_one_figure_per_metric_for_the_final_plan(fake_model, tmp_path):
+    """The kept plan decodes 1.3x slower in the confirmation than in its step: every place trace.json
+    holds a figure of the final plan (final.metrics, the confirmation's medians, the drift, the
+    targets' values) holds one per metric, the confirmation's; the peak memory both plans could not
+    show while resident together is the step's own."""
+    build = _slowed_in_the_confirmation(1.3)
+
+    recipe = _bf16_recipe(fake_model, repeats=2)
+    recipe["targets"] = {"decode_tokens_per_s": 10_000, "e2e_ms": 1}
+    try:
+        result = Pipeline(recipe, out_dir=tmp_path, progress=False, machine=cpu_machine(), build=build, refuse=FakeEngine.refuse, limits=LIMITS).run()
+    finally:
+        SlowedEngine.slowdown[0] = 1.0
+    data = json.loads((tmp_path / "trace.json").read_text())
+    assert data["final"]["status"] == "confirmed", data["final"].get("confirmation")
+    several = {key: values for key, values in final_figures(data).items() if len(values) > 1}
+    assert not several, several
+    conf = data["final"]["confirmation"]["metrics"]
+    step = result.trace.steps[-1].metrics
+    assert conf["decode_tokens_per_s"]["final_median"] < step["decode_tokens_per_s"] / 1.2  # two measurements that differ ...
+    assert data["final"]["metrics"]["decode_tokens_per_s"] == conf["decode_tokens_per_s"]["final_median"]  # ... and one final figure
+    assert data["final"]["targets"]["decode_tokens_per_s"]["value"] == conf["decode_tokens_per_s"]["final_median"]
+    assert "peak_memory_mb" not in conf and data["final"]["metrics"]["peak_memory_mb"] == step["peak_memory_mb"]
+
+
+def test_settle_takes_every_final_figure_from_the_confirmation():
+    """A final plan whose last step measured decode at 28.5 and whose confirmation measured 32.1 at
+    the same load keeps one figure, 32.1, and its quality and census numbers from the step."""
+    trace = demo_trace()
+    trace.final["metrics"] = dict(trace.steps[-1].metrics)  # the provisional figures, the last step's own
+    assert trace.final["metrics"]["decode_tokens_per_s"] == 28.5
+    confirm.settle(trace)
+    assert trace.final["metrics"]["decode_tokens_per_s"] == 32.1 and trace.final["metrics"]["quality"]["eval_passed"] == 35
+    assert trace.final["metrics"]["weight_mb"] == 231.0
+    assert not {key: v for key, v in final_figures(json.loads(trace.to_json())).items() if len(v) > 1}

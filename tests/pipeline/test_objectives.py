@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 from fractal_opt.pipeline.confirm import record
-from fractal_opt.pipeline.confirm_text import traded_lines
+from fractal_opt.report.confirmation import traded_lines
 from fractal_opt.pipeline.objectives import annotate, split_objectives
 
 OBJECTIVE = {"hardware": "decode_tokens_per_s", "model": "decode_tokens_per_s", "scheduling": "throughput_tokens_per_s",
@@ -62,22 +62,6 @@ def test_annotate_records_the_trade_and_the_drift_against_the_last_kept_step():
     assert fields["confirmation"]["traded"]["decode_tokens_per_s"]["by"] == "scheduling/batching"
     drift = fields["confirmation"]["drift"]
     assert drift["in_step"] == 44.0 and drift["agrees"] is False and round(drift["change"], 3) == round(37.0 * 1.01 / 44.0 - 1, 3)  # the final median: 37.0 x 1.01
-
-
-def test_report_html_marks_a_traded_objective_beside_its_number():
-    """report.html's final cards say which step traded a metric, and the Traded line follows them."""
-    from fractal_opt.pipeline.report_sections import summary
-    from fractal_opt.pipeline.trace import Step, Trace
-
-    metrics = {"decode_tokens_per_s": {"change": -0.288, "interval": [-0.48, -0.02], "band": 0.26, "verdict": "worse", "baseline_median": 17.8, "final_median": 10.6},
-               "throughput_tokens_per_s": {"change": 1.05, "interval": [1.0, 1.1], "band": 0.05, "verdict": "better", "baseline_median": 15.9, "final_median": 32.5}}
-    traded = {"decode_tokens_per_s": {"by": "scheduling/batching", "change": -0.648, "band": 0.29, "for": "throughput_tokens_per_s"}}
-    final = {"kept": ["hardware/runtime", "scheduling/batching"], "status": "confirmed", "metrics": {},
-             "confirmation": {"mode": "interleaved", "rounds": 3, "note": "n", "objectives": ["throughput_tokens_per_s"], "metrics": metrics, "traded": traded}}
-    trace = Trace(recipe={}, baseline=Step(pass_name="baseline", layer="-", params={}, status="baseline", reason="", metrics={}), steps=[], final=final)
-    page = "\n".join(summary(trace))
-    assert '<div class="k">traded by scheduling/batching</div>' in page
-    assert "Traded: decode_tokens_per_s by scheduling/batching for throughput_tokens_per_s (-64.8% in that step, beyond its threshold ±29.0%" in page
 
 
 def test_a_traded_objective_measured_alone_carries_its_numbers_and_its_drift():

@@ -87,7 +87,7 @@ def test_gap_per_step_and_final(fake_model, tmp_path):
     report = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "Targets met: decode_tokens_per_s; not met: throughput_tokens_per_s." in report
     assert "| baseline | baseline |" in report
-    assert "Targets met" in result.trace.to_text()
+    assert "Targets met" in result.to_text()
     saved = json.loads((tmp_path / "trace.json").read_text(encoding="utf-8"))
     assert saved["final"]["targets"]["decode_tokens_per_s"]["met"]
 
@@ -120,4 +120,4 @@ def test_stop_at_target_does_not_stop_an_unmet_run(fake_model):
 def test_no_targets_no_lines(fake_model):
     """A recipe without targets writes no targets field and no Targets line."""
     result = _run(small_recipe_dict(fake_model, passes={}))
-    assert "targets" not in result.trace.final and "Targets" not in result.trace.to_markdown()
+    assert "targets" not in result.trace.final and "Targets" not in result.to_markdown()

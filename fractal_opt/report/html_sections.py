@@ -1,8 +1,8 @@
-"""report.html's text sections: the header, the final plan's cards, every step's table with what
-one user got, the noise calibration and the machine.
+"""report.html's text sections: the header, every step's table with what one user got, the noise
+calibration and the machine (the first screen is :mod:`.html_first_screen`).
 
 Each section is one function ``(trace or steps, policy) -> list of HTML pieces``, so the page
-(:func:`.report_html.render_fragment`) is a list of calls and a new section is one more.
+(:func:`.html.render_fragment`) is a list of calls and a new section is one more.
 """
 
 from __future__ import annotations
@@ -11,16 +11,12 @@ from typing import Any
 
 from ..language.policy import Policy
 from . import one_user
-from .confirm_text import drift_line, final_lines, traded_lines
-from .report_parts import STATUS_TEXT, Step, Trace, cell, figure_html, label, pct
-from .report_svg import COLOURS, LABEL_W, Svg, data_attrs, esc, fmt_num, is_num, nice_max
-from .run_info import wall_time
+from .html_parts import Step, Trace, cell, figure_html, label, pct, status_text
+from .svg import COLOURS, LABEL_W, Svg, data_attrs, esc, fmt_num, is_num, nice_max
+from .measurement import resolution
+from .reader import wall_time
 
-__all__ = ["CALIBRATED", "SUMMARY", "calibration", "header", "machine", "steps_table", "summary"]
-
-SUMMARY = (("decode_tokens_per_s", "decode tok/s", True), ("throughput_tokens_per_s", "throughput tok/s", True), ("ttft_ms", "TTFT ms", False),
-           ("e2e_ms", "e2e ms", False), ("weight_mb", "weights MB", False))
-
+__all__ = ["CALIBRATED", "calibration", "header", "machine", "steps_table"]
 
 CALIBRATED = ("decode_tokens_per_s", "ttft_ms", "prefill_ms", "e2e_ms", "throughput_tokens_per_s", "peak_memory_mb")
 
@@ -50,71 +46,6 @@ def header(trace: Trace) -> str:
     return "\n".join(out)
 
 
-def summary(trace: Trace) -> list[str]:
-    """The final plan; its numbers against the baseline only as the final confirmation measured them
-    (pipeline/confirm.py): a plan not yet confirmed is shown as the best so far, without deltas."""
-    final = trace.final or {}
-    if not final:
-        return []
-    kept = final.get("kept") or []
-    status = final.get("status")  # None: a trace from before the final confirmation existed
-    conf = final.get("confirmation") or {}
-    sentence = final_lines(final, markdown=False)[0] if status else (f"Final plan: {', '.join(kept)}." if kept else "Final plan: the baseline (no pass was kept).")
-    out = ["<h2>Final plan</h2>", f"<p>{esc(sentence)}</p>"]
-    if status == "confirmed" and conf.get("metrics"):
-        out.append(f'<p class="note">Final vs baseline: {esc(conf.get("note", "measured again"))}, {esc(conf.get("rounds"))} rounds; '
-                   "paired estimate [95% interval], medians baseline → final.</p>")
-    out.append('<div class="cards">')
-    base = trace.baseline.metrics if trace.baseline else {}
-    now = final.get("metrics") or {}
-    for metric, name, higher in SUMMARY:
-        if status == "confirmed" and metric in (conf.get("metrics") or {}):
-            m = conf["metrics"][metric]
-            path = f"confirmation.metrics.{metric}"
-            a, b, change, iv = m.get("final_median"), m.get("baseline_median"), m.get("change"), m.get("interval")
-            a_attr, b_attr, c_attr = data_attrs("final", f"{path}.final_median", a), data_attrs("final", f"{path}.baseline_median", b), data_attrs("final", f"{path}.change", change)
-            if not is_num(a):  # a census number (weights): no medians in the confirmation, the plans' own figures
-                a, b = now.get(metric), base.get(metric)
-                a_attr, b_attr = data_attrs("final", f"metrics.{metric}", a), data_attrs("0", f"metrics.{metric}", b)
-            verdict = m.get("verdict", "")
-            cls = "good" if verdict == "better" else ("bad" if verdict == "worse" else "")
-            extra = f" [{iv[0]:+.1%}, {iv[1]:+.1%}]" if iv and all(is_num(x) for x in iv) else ""
-        elif status is None and is_num(now.get(metric)):  # an old trace: its own claim, as its report.md made it
-            a, b, change = now.get(metric), base.get(metric), (final.get("vs_baseline") or {}).get(metric)
-            a_attr, b_attr, c_attr = data_attrs("final", f"metrics.{metric}", a), data_attrs("0", f"metrics.{metric}", b), data_attrs("final", f"vs_baseline.{metric}", change)
-            cls = "good" if is_num(change) and change and (change > 0) == higher else ("bad" if is_num(change) and change else "")
-            extra = ""
-        elif is_num(now.get(metric)):  # not confirmed: the value measured in its last step, no claim against the baseline
-            a, b, change = now.get(metric), base.get(metric), None
-            a_attr, b_attr, c_attr = data_attrs("final", f"metrics.{metric}", a), data_attrs("0", f"metrics.{metric}", b), ""
-            cls, extra = "", ""
-        else:
-            continue
-        delta = f'<span class="{cls}"{c_attr}>{esc(pct(change))}</span><small>{esc(extra)}</small>' if is_num(change) else ""
-        traded = (conf.get("traded") or {}).get(metric) if status == "confirmed" else None
-        by = f'<div class="k">traded by {esc(traded["by"])}</div>' if traded else ""
-        out.append(f'<div class="card"><div class="k">{esc(name)}</div><div class="v"><span{a_attr}>{esc(fmt_num(a))}</span> {delta}</div>'
-                   f'<div class="k">baseline <span{b_attr}>{esc(fmt_num(b))}</span></div>{by}</div>')
-    out.append("</div>")
-    notes = [*traded_lines(conf), *([line] if (line := drift_line(conf)) else [])]  # what report.md and the terminal say beside the numbers
-    return out + [f'<p class="note">{esc(n)}</p>' for n in notes] + _final_one_user(final)
-
-
-def _final_one_user(final: dict[str, Any]) -> list[str]:
-    """One user, baseline -> final plan, from the confirmation's medians (same rounds); nothing unless it measured them."""
-    metrics = (final.get("confirmation") or {}).get("metrics") or {}
-    if final.get("status") not in ("confirmed", "not_confirmed"):
-        return []
-    pick = {m: (metrics.get(m) or {}) for m, *_ in one_user.FIGURES}
-    figs = one_user.figures({m: e.get("baseline_median") for m, e in pick.items()}, {m: e.get("final_median") for m, e in pick.items()})
-    parts = [figure_html(f, ("final", f"confirmation.metrics.{f.metric}.baseline_median"), ("final", f"confirmation.metrics.{f.metric}.final_median"))
-             for f in figs if f.after is not None]
-    if not parts:
-        return []
-    return [(f'<p class="note">One user, baseline → final plan (medians of the confirmation\'s rounds; each % computed from the two numbers '
-             f'next to it, not the paired estimate): {", ".join(parts)}.</p>')]
-
-
 def steps_table(steps: list[tuple[str, Step]], policy: Policy) -> list[str]:
     cols = (("decode_tokens_per_s", "decode tok/s"), ("ttft_ms", "TTFT ms"), ("e2e_ms", "e2e ms"), ("throughput_tokens_per_s", "throughput tok/s"),
             ("peak_memory_mb", "peak MB"), ("weight_mb", "weights MB"))
@@ -125,7 +56,7 @@ def steps_table(steps: list[tuple[str, Step]], policy: Policy) -> list[str]:
         colour = COLOURS.get(s.status, COLOURS["other"])
         cells = "".join(cell(i, s.metrics, k) for k, _ in cols) + cell(i, s.metrics, "quality.kl_mean", "{:.4f}")
         body.append(f'<tr data-step="{i}"><td>{i}</td><td>{esc(s.layer)}</td><td>{esc(label(s))}</td>'
-                    f'<td style="color:{colour};font-weight:600">{esc(STATUS_TEXT.get(s.status, s.status))}</td>{cells}<td>{esc(s.reason)}</td></tr>')
+                    f'<td style="color:{colour};font-weight:600">{esc(status_text(s.status))}</td>{cells}<td>{esc(s.reason)}</td></tr>')
         if i in users:  # the line under its step: what one user got, previous plan -> this step
             body.append(f'<tr class="one-user" data-one-user="{i}"><td></td><td colspan="{len(cols) + 5}">{users[i]}</td></tr>')
     base = next((s for i, s in steps if i == "0"), None)
@@ -184,8 +115,8 @@ def calibration(trace: Trace, policy: Policy) -> list[str]:
             lo, hi = (max(-half, min(half, x)) for x in iv)
             svg.line(xc + lo * sc, y, xc + hi * sc, y, stroke="#4c78a8", width=2)
         svg.circle(xc + max(-half, min(half, cal[m])) * sc, y, 4.5, fill="#4c78a8", extra=data_attrs("calibration", m, cal[m]),
-                   tip=f"{m}: A/A {cal[m]:+.1%}" + (f" [{iv[0]:+.1%}, {iv[1]:+.1%}]" if iv else ""))
-        svg.text(x1 + 8, y + 4, f"{cal[m]:+.1%}" + (f" [{iv[0]:+.1%}, {iv[1]:+.1%}]" if iv else ""), size=11)
+                   tip=f"{m}: A/A {cal[m]:+.1%}" + (f", resolves ±{resolution(iv)}" if iv else ""))
+        svg.text(x1 + 8, y + 4, f"±{resolution(iv)} (A/A {cal[m]:+.1%})" if iv else f"{cal[m]:+.1%}", size=11)
     rounds = cal.get("rounds")
     return ["<h2>Noise calibration</h2>",
             (f'<p class="note">The baseline measured against itself{f", interleaved, {esc(rounds)} rounds" if rounds else ""}: how much a change of nothing moves '

@@ -1,27 +1,32 @@
 """report.html: the run as pictures, one self-contained file (inline SVG and CSS, no network).
 
-What it shows, top to bottom: the final plan against the baseline; the tower (each step coloured
+What it shows, top to bottom: the answer to the recipe's question (:mod:`.html_first_screen`:
+one user, the offered load, the cost, the answers kept, from the final confirmation); the tower (each step coloured
 by its verdict); per layer a waterfall of its objective from the baseline to the final plan with
 each step's threshold (its interval half-width, at least min_effect); decode tokens/s against the bandwidth ceiling (the roofline); TTFT / ITL /
 e2e percentiles; quality against its guards; the frontiers; the answers side by side; every step
 with its full reason and what one user got from it (:mod:`.one_user`); the noise calibration and
 the machine. It reads only what trace.json stores, so an old trace renders too.
 
-The sections live in :mod:`.report_sections` (text and tables) and :mod:`.report_charts` (the
-step charts), their shared helpers in :mod:`.report_parts`; this module is the page: its styles,
-its script and the order of the sections, one call each.
+The sections live in :mod:`.html_first_screen`, :mod:`.html_sections` (text and tables) and
+:mod:`.html_charts` (the step charts), their shared helpers in :mod:`.html_parts`; this module is
+the page: its styles, its script and the order of the sections, one call each.
 
 :func:`render_html` is the whole page; :func:`render_fragment` the same content for a notebook
-(``Trace._repr_html_``), its styles scoped to the fragment.
+(``Result._repr_html_``, :class:`fractal_opt.report.Report`), its styles scoped to the fragment.
 """
 
 from __future__ import annotations
 
-from .report_answers import answers_html
-from .report_charts import latency, legend, quality, roofline, tower, waterfalls
-from .report_parts import Trace, all_steps, policy_of
-from .report_sections import calibration, header, machine, steps_table, summary
-from .report_svg import esc
+from .answers import answers_html
+from .frontier import frontier_html
+from .html_charts import latency, legend, quality, roofline, tower, waterfalls
+from .html_first_screen import CSS as ANSWER_CSS
+from .html_first_screen import answer_section
+from .html_sections import calibration, header, machine, steps_table
+from .reader import Reader
+from .svg import esc
+from .trace import Trace
 
 __all__ = ["render_fragment", "render_html"]
 
@@ -36,19 +41,17 @@ def render_html(trace: Trace) -> str:
 
 def render_fragment(trace: Trace, *, styles: bool = True) -> str:
     """The report's content in one ``<div class="fo-report">`` (for notebooks: styles included, scoped)."""
-    from .report_frontier import frontier_html  # every measured plan on the frontiers, and the cost per token
-
-    steps = all_steps(trace)
-    policy = policy_of(trace.recipe)
+    reader = Reader(trace)
+    steps, policy = reader.steps(), reader.policy
     parts = [f"<style>{CSS}</style>" if styles else "", '<div class="fo-report">', header(trace)]
-    parts += summary(trace)
+    parts += answer_section(trace)  # what the recipe asked, answered: the first screen
     parts += ["<h2>The tower</h2>", ('<p class="note">Bottom up: the baseline, then each pass in tower order, coloured by its verdict '
-              "(hover a step for its full reason).</p>"), legend(), tower(steps, policy)]
+              "(hover a step for its full reason).</p>"), legend(steps), tower(steps, policy)]
     parts += waterfalls(trace, steps, policy)
     parts += roofline(trace, steps)
     parts += latency(steps)
     parts += quality(steps, policy)
-    parts += frontier_html(steps)
+    parts += frontier_html(steps)  # every measured plan on the frontiers, and the cost per token
     parts.append(answers_html(trace))  # the baseline's and the final plan's answers side by side
     parts += steps_table(steps, policy)
     parts += calibration(trace, policy)
@@ -80,14 +83,18 @@ CSS = """
 .fo-report dl { display: grid; grid-template-columns: max-content auto; gap: 2px 12px; font-size: 13px; }
 .fo-report dt { color: #555; } .fo-report dd { margin: 0; }
 .fo-report table.answers tr.changed td { background: #fff8e1; } .fo-report table.answers td { max-width: 300px; }
-"""
+""" + ANSWER_CSS
 
-# Records in the page how many charts the browser laid out with a non-zero size and how tall the
-# page is (read back from the DOM by the browser test and scripts/screenshot-report.sh; the page
-# itself works without it).
+# Records in the page how many charts the browser laid out with a non-zero size, how tall the page
+# is, and where each of the answer's cards (data-answer) ends, in px from the top of the page at
+# the window's width (read back from the DOM by the browser tests and scripts/screenshot-report.sh;
+# the page itself works without it).
 SCRIPT = """document.addEventListener('DOMContentLoaded', function () {
-  var charts = document.querySelectorAll('.fo-report svg.chart'), drawn = 0;
+  var charts = document.querySelectorAll('.fo-report svg.chart'), drawn = 0, ends = [];
   charts.forEach(function (c) { var b = c.getBoundingClientRect(); if (b.width > 0 && b.height > 0) drawn++; });
+  document.querySelectorAll('.fo-report [data-answer]').forEach(function (e) {
+    var b = e.getBoundingClientRect(); if (b.width > 0) ends.push(e.getAttribute('data-answer') + ':' + Math.ceil(b.bottom + window.scrollY)); });
   document.documentElement.setAttribute('data-charts-drawn', drawn + '/' + charts.length);
   document.documentElement.setAttribute('data-page-height', document.documentElement.scrollHeight);
+  document.documentElement.setAttribute('data-answer-ends', window.innerWidth + ' ' + ends.join(' '));
 });"""

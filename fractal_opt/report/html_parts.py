@@ -1,44 +1,27 @@
-"""What every report.html section shares: the steps in page order, the policy, a step's layer,
-objective and label, a number tied to trace.json (a table cell, a one-user figure), the verdict words.
+"""What every report.html section shares: a step's layer, objective and label, a number tied to
+trace.json (a table cell, a one-user figure), the words for a step's status.
 
-The sections (:mod:`.report_sections`, :mod:`.report_charts`) read a trace by attribute only
-(``Trace`` / ``Step`` below are ``Any``): trace.py renders through :mod:`.report_html`, so importing
-it back would close a circle.
+The sections (:mod:`.html_sections`, :mod:`.html_charts`) read the trace through
+:class:`~.reader.Reader` (the steps in page order, the policy, the final figures).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from ..core.errors import RecipeError
 from ..language.policy import Policy
 from ..tower.passes import Layer
 from . import one_user
 from .labels import pass_label
-from .report_svg import data_attrs, esc, fmt_num, is_num
+from .svg import data_attrs, esc, fmt_num, is_num
+from .trace import Step, Trace
 
-Trace = Any
-Step = Any
-
-__all__ = ["STATUS_TEXT", "Step", "Trace", "all_steps", "cell", "dig", "figure_html", "label", "layer_of", "objective_of", "pct", "policy_of"]
-
-STATUS_TEXT = {"baseline": "baseline", "kept": "kept", "rolled_back": "rolled back", "failed": "failed", "skipped": "skipped"}
+__all__ = ["Step", "Trace", "cell", "dig", "figure_html", "label", "layer_of", "objective_of", "pct", "status_text"]
 
 
-def all_steps(trace: Trace) -> list[tuple[str, Step]]:
-    """``(data-step index, step)``: "0" is the baseline, "1".. the steps in trace.json order."""
-    out: list[tuple[str, Step]] = [("0", trace.baseline)] if trace.baseline else []
-    return out + [(str(i), s) for i, s in enumerate(trace.steps, start=1)]
-
-
-def policy_of(recipe: dict[str, Any]) -> Policy:
-    data = recipe.get("policy") or {}
-    names = {f.name for f in dataclasses.fields(Policy)}
-    try:
-        return Policy(**{k: v for k, v in data.items() if k in names})
-    except (RecipeError, TypeError):  # an old or hand-edited trace: the report still renders, with default rules
-        return Policy()
+def status_text(status: str) -> str:
+    """A step's status in words ("rolled_back" -> "rolled back"); any status a trace records reads, a new one too."""
+    return status.replace("_", " ")
 
 
 def layer_of(step: Step) -> Layer | None:

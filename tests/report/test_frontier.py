@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 
-from fractal_opt.pipeline.report_frontier import Point, chosen_step, frontier_html, pareto
-from fractal_opt.pipeline.report_html import render_html
-from fractal_opt.pipeline.trace import Step, Trace
+from fractal_opt.report.frontier import Point, chosen_step, frontier_html, pareto
+from fractal_opt.report.html import render_html
+from fractal_opt.report.trace import Step, Trace
 
 
 def _step(name, status, **metrics):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .labels import pass_label
-from .report_svg import COLOURS, Svg, data_attrs, esc, fmt_num, is_num, nice_max
+from .svg import COLOURS, Svg, data_attrs, esc, fmt_num, is_num, nice_max
 
 __all__ = ["FRONTIERS", "Point", "chosen_step", "frontier_html", "frontier_sets", "pareto"]
 

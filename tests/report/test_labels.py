@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fractal_opt.layers.scheduling import Batching
-from fractal_opt.pipeline.labels import non_default_params, pass_label
+from fractal_opt.report.labels import non_default_params, pass_label
 
 
 def test_a_label_shows_the_first_parameter_and_the_changed_ones():

@@ -9,7 +9,7 @@ from conftest import small_recipe_dict
 
 from fractal_opt.language.recipe import load_recipe
 from fractal_opt.measure.machine_limits import MachineLimits
-from fractal_opt.pipeline.report_tables import time_line
+from fractal_opt.report.tables import time_line
 from fractal_opt.pipeline.runner import Pipeline
 from fractal_opt.testing import FakeEngine, cpu_machine
 

@@ -21,8 +21,9 @@ from typing import Any
 
 from ..core.text import clip
 from ..measure.load import request_id
+from .reader import Reader
 
-__all__ = ["AnswerPair", "answer_pairs", "answers_html", "answers_lines", "answers_text", "final_quality"]
+__all__ = ["AnswerPair", "AnswersKept", "answer_pairs", "answers_html", "answers_kept", "answers_lines", "answers_text"]
 
 _CLIP = 160  # characters of an answer shown in report.md / report.html tables (the trace has them whole)
 
@@ -41,14 +42,6 @@ class AnswerPair:
     @property
     def changed(self) -> bool:
         return self.baseline.strip() != self.final.strip()
-
-
-def final_quality(trace: Any) -> Mapping[str, Any]:
-    """The quality numbers of the final plan: the kept step's (``trace.final``), else the baseline's."""
-    metrics = (getattr(trace, "final", None) or {}).get("metrics") or {}
-    if metrics.get("quality"):
-        return metrics["quality"]
-    return (trace.baseline.metrics.get("quality") or {}) if getattr(trace, "baseline", None) else {}
 
 
 def answer_pairs(baseline: Mapping[str, Any], final: Mapping[str, Any]) -> list[AnswerPair]:
@@ -81,7 +74,46 @@ def _verdict(p: AnswerPair) -> str:
 def _pairs_of(trace: Any) -> list[AnswerPair]:
     if getattr(trace, "baseline", None) is None:
         return []
-    return answer_pairs(trace.baseline.metrics.get("quality") or {}, final_quality(trace))
+    reader = Reader(trace)
+    return answer_pairs(reader.baseline_quality(), reader.final_quality())
+
+
+@dataclass(frozen=True)
+class AnswersKept:
+    """The first screen's "answers kept": the eval's questions lost and gained, and the workload's answers that differ."""
+
+    eval_name: str | None  # the eval set that guarded the run; None without one
+    passed: int | None  # the final plan's right answers
+    total: int | None
+    baseline_passed: int | None
+    lost: int | None  # None when the final plan is the baseline (nothing to pair)
+    gained: int | None
+    differ: int  # workload answers that differ from the baseline's
+    answers: int  # workload answers compared
+    why: str = ""  # why that eval guarded the run, when the trace says
+
+    def text(self) -> str:
+        parts = []
+        if self.total is not None:
+            moved = f"lost {self.lost}, gained {self.gained}" if self.lost is not None else "the baseline's own answers"
+            parts.append(f"eval{' ' + self.eval_name if self.eval_name else ''}: {self.passed} of {self.total} right "
+                         f"(baseline {self.baseline_passed if self.baseline_passed is not None else '–'}), {moved}")
+        if self.answers:
+            parts.append(f"{self.differ} of {self.answers} workload answers differ from the baseline's")
+        return "Answers kept: " + "; ".join(parts)
+
+
+def answers_kept(reader: Reader) -> AnswersKept | None:
+    """What the first screen says about the answers; None when the trace holds no eval and no answers."""
+    quality, base = reader.final_quality(), reader.baseline_quality()
+    work = [p for p in answer_pairs(base, quality) if p.kind == "workload"]
+    if "eval_total" not in quality and not work:
+        return None
+    has_eval = "eval_total" in quality
+    guard = reader.eval_guard()
+    return AnswersKept(eval_name=guard.get("name") if has_eval else None, passed=quality.get("eval_passed"),
+                       total=quality.get("eval_total") if has_eval else None, baseline_passed=base.get("eval_passed"), lost=quality.get("eval_lost"), gained=quality.get("eval_gained"),
+                       differ=sum(p.changed for p in work), answers=len(work), why=str(guard.get("why") or ""))
 
 
 def _summary(pairs: list[AnswerPair], quality: Mapping[str, Any]) -> str:
@@ -101,7 +133,7 @@ def answers_lines(trace: Any) -> list[str]:
         return []
     cell = lambda t: clip(t, _CLIP).replace("|", "\\|")  # noqa: E731
     out = ["", "## Answers: baseline and final plan side by side", "",
-           f"Greedy answers, the changed ones first ({_summary(pairs, final_quality(trace))}).", "",
+           f"Greedy answers, the changed ones first ({_summary(pairs, Reader(trace).final_quality())}).", "",
            "| prompt | baseline | final plan | |", "|---|---|---|---|"]
     out += [f"| {cell(p.prompt)} | {cell(p.baseline)} | {cell(p.final)} | {_verdict(p)} |" for p in pairs]
     return out + [""]
@@ -116,7 +148,7 @@ def answers_html(trace: Any) -> str:
     rows = "".join(f"<tr class='{'changed' if p.changed else 'same'}'><td>{esc(p.prompt)}</td><td>{esc(p.baseline)}</td>"
                    f"<td>{esc(p.final)}</td><td>{html.escape(_verdict(p))}</td></tr>" for p in pairs)
     return ("<section id='answers'><h2>Answers: baseline and final plan side by side</h2>"
-            f"<p>Greedy answers, the changed ones first ({html.escape(_summary(pairs, final_quality(trace)))}).</p>"
+            f"<p>Greedy answers, the changed ones first ({html.escape(_summary(pairs, Reader(trace).final_quality()))}).</p>"
             "<table class='answers'><thead><tr><th>prompt</th><th>baseline</th><th>final plan</th><th></th></tr></thead>"
             f"<tbody>{rows}</tbody></table></section>")
 
@@ -126,7 +158,7 @@ def answers_text(trace: Any, *, limit: int = 6, width: int = 100) -> list[str]:
     pairs = _pairs_of(trace)
     if not pairs:
         return []
-    out = [f"Answers ({_summary(pairs, final_quality(trace))}); report.md has them all:"]
+    out = [f"Answers ({_summary(pairs, Reader(trace).final_quality())}); report.md has them all:"]
     for p in pairs[:limit]:
         out += [f"  Q: {clip(p.prompt, width - 5)}", f"     baseline: {clip(p.baseline, width - 15)}",
                 f"     final:    {clip(p.final, width - 15)}  [{_verdict(p)}]"]

@@ -1,6 +1,8 @@
-"""What report.md, report.html and the terminal say about the final plan: the confirmation's
-numbers (:mod:`.confirm`) as tables and sentences; only a confirmation's numbers are printed as
-final vs baseline."""
+"""What report.md, report.html and the terminal say about the final plan in full: the final
+confirmation's numbers (:mod:`fractal_opt.pipeline.confirm`) as tables and sentences; only a
+confirmation's numbers are printed as final vs baseline, and an interval only where it bounds its
+change (:func:`fractal_opt.core.text.interval_text`). The first screen (:mod:`.first_screen`)
+answers the recipe's question from the same numbers; this is the detail under it."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from ..core.text import fmt
-from .confirm import HEADLINE
+from ..core.text import fmt, interval_text
 
-__all__ = ["drift_line", "final_lines", "traded_lines"]
+__all__ = ["HEADLINE", "drift_line", "final_lines", "traded_lines"]
+
+# The numbers "final vs baseline" spells out (trace.json keeps every metric's interval). Peak
+# memory is left out: interleaving keeps both models resident, so it cannot show either plan's own.
+HEADLINE = ("decode_tokens_per_s", "ttft_ms", "e2e_ms", "throughput_tokens_per_s", "ttft_ms_p90", "itl_ms_p90")
 
 _num = partial(fmt, missing="–")  # the one number formatter, with the tables' dash for a missing value
 
@@ -24,9 +29,8 @@ def traded_lines(conf: Mapping[str, Any]) -> list[str]:
         line = (f"Traded: {metric} by {t['by']} for {t['for']} ({t['change']:+.1%} in that step, beyond its threshold ±{t['band']:.1%}, "
                 "a cost no guard forbids): not required to beat the baseline")
         if (a := t.get("alone")) is not None:
-            lo, hi = a["interval"]
             line += (f" at this load; one request at a time, medians {_num(a['baseline_median'])} -> {_num(a['final_median'])}, "
-                     f"paired estimate {a['change']:+.1%} [95%: {lo:+.1%}, {hi:+.1%}]: {a['verdict']}")
+                     f"paired estimate {a['change']:+.1%} {interval_text(a['change'], *a['interval'])}: {a['verdict']}")
             if (d := a.get("drift")) is not None:
                 line += (f"; {d['change']:+.1%} against its own step ({d['step']}: {_num(d['in_step'])}), "
                          f"{'within' if d['agrees'] else 'beyond'} the calibrated noise ±{d['noise']:.1%}")
@@ -99,8 +103,7 @@ def _cell(entry: Mapping[str, Any]) -> str:
     """One metric for the terminal: the change, where it comes from, and the verdict."""
     if entry.get("source") == "census":
         return f"{entry['change']:+.1%} ({_num(entry['baseline'])} -> {_num(entry['final'])} MB, census) {entry['verdict']}"
-    lo, hi = entry["interval"]
-    return (f"paired estimate {entry['change']:+.1%} [95%: {lo:+.1%}, {hi:+.1%}], threshold ±{entry['band']:.1%}, "
+    return (f"paired estimate {entry['change']:+.1%} {interval_text(entry['change'], *entry['interval'])}, threshold ±{entry['band']:.1%}, "
             f"medians {_num(entry.get('baseline_median'))} -> {_num(entry.get('final_median'))}: {entry['verdict']}")
 
 
@@ -108,7 +111,6 @@ def _row(metric: str, entry: Mapping[str, Any]) -> str:
     if entry.get("source") == "census":
         cells = [metric, f"{entry['change']:+.1%} (census, exact)", "–", f"{_num(entry['baseline'])} -> {_num(entry['final'])}", entry["verdict"]]
     else:
-        lo, hi = entry["interval"]
-        cells = [metric, f"{entry['change']:+.1%} [{lo:+.1%}, {hi:+.1%}]", f"±{entry['band']:.1%}",
+        cells = [metric, f"{entry['change']:+.1%} {interval_text(entry['change'], *entry['interval'])}", f"±{entry['band']:.1%}",
                  f"{_num(entry.get('baseline_median'))} -> {_num(entry.get('final_median'))}", entry["verdict"]]
     return "| " + " | ".join(cells) + " |"

@@ -1,12 +1,47 @@
-"""report.md's per-step tables: the work each step asked for, the guards in force, the steps under load."""
+"""The per-step tables of report.md and the terminal: the tower (every step with its numbers), the
+work each step asked for, the guards in force, the steps under load, where the time went."""
 
 from __future__ import annotations
 
 from typing import Any
 
-Step = Any  # pipeline.trace.Step (not imported: trace imports this module)
+from .trace import Step
 
-__all__ = ["TIME_PARTS", "guard_lines", "load_table", "time_line", "time_lines", "work_table"]
+__all__ = ["COLUMNS", "TIME_PARTS", "guard_lines", "load_table", "time_line", "time_lines", "tower_headers", "tower_rows", "work_table"]
+
+# Columns of the tower table: (metric key, header, format). Quality keys live under "quality".
+COLUMNS = (
+    ("decode_tokens_per_s", "decode tok/s", "{:.1f}"),
+    ("ttft_ms", "TTFT ms", "{:.0f}"),
+    ("prefill_ms", "prefill ms", "{:.0f}"),
+    ("e2e_ms", "e2e ms", "{:.0f}"),
+    ("throughput_tokens_per_s", "throughput tok/s", "{:.1f}"),
+    ("peak_memory_mb", "peak MB", "{:.0f}"),
+    ("weight_mb", "weights MB", "{:.0f}"),
+    ("kl_mean", "KL", "{:.4f}"),
+    ("agreement", "agree", "{:.2f}"),
+)
+
+
+def tower_headers() -> list[str]:
+    return ["layer", "pass", "status", *(h for _, h, _ in COLUMNS), "reason"]
+
+
+def tower_rows(steps: list[Step]) -> list[list[str]]:
+    """The tower table: one row per step (the baseline first), numbers with their change vs the previous plan."""
+    rows = []
+    for s in steps:
+        row = [s.layer, s.label(), s.status]
+        for key, _, fmt in COLUMNS:
+            v = s.value(key)
+            cell = fmt.format(v) if isinstance(v, int | float) else "–"
+            ch = s.changes.get(key)
+            if ch is not None and s.status != "baseline" and key not in ("kl_mean", "agreement"):
+                cell += f" ({ch:+.0%})"
+            row.append(cell)
+        row.append(s.reason)
+        rows.append(row)
+    return rows
 
 
 def work_table(baseline: list[Step], steps: list[Step]) -> list[str]:

@@ -2,7 +2,7 @@
 against the bandwidth ceiling, latency percentiles with the load table, quality against its guards.
 
 Each section is one function ``(trace or steps, policy) -> list of HTML pieces``; a label that does
-not fit its place is wrapped onto a second line rather than cut (:func:`.report_svg.wrap`).
+not fit its place is wrapped onto a second line rather than cut (:func:`.svg.wrap`).
 """
 
 from __future__ import annotations
@@ -13,16 +13,20 @@ from ..core.text import clip as _clip
 from ..core.text import fmt
 from ..language.policy import QUALITY_METRICS, Guard, Policy
 from ..tower.passes import Layer
-from .report_parts import STATUS_TEXT, Step, Trace, cell, label, layer_of, objective_of, pct
-from .report_svg import COLOURS, Bar, Svg, data_attrs, esc, fmt_num, hbar_chart, is_num, nice_max, range_chart
+from .html_parts import Step, Trace, cell, label, layer_of, objective_of, pct, status_text
+from .reader import Reader
+from .svg import COLOURS, Bar, Svg, data_attrs, esc, fmt_num, hbar_chart, is_num, nice_max, range_chart
 
 __all__ = ["LATENCY", "latency", "legend", "quality", "roofline", "tower", "waterfalls"]
 
 LATENCY = (("ttft_ms", "TTFT", "ms"), ("itl_ms", "ITL (gap between tokens)", "ms"), ("e2e_ms", "end to end", "ms"))
 
 
-def legend() -> str:
-    items = "".join(f'<span><i style="background:{COLOURS[k]}"></i>{esc(v)}</span>' for k, v in STATUS_TEXT.items())
+def legend(steps: list[tuple[str, Step]]) -> str:
+    """The colour of every status the run's steps have (a status without a colour of its own shares "other")."""
+    present = list(dict.fromkeys(s.status for _, s in steps))
+    ordered = [k for k in COLOURS if k in present] + [k for k in present if k not in COLOURS]
+    items = "".join(f'<span><i style="background:{COLOURS.get(k, COLOURS["other"])}"></i>{esc(status_text(k))}</span>' for k in ordered)
     return f'<div class="legend">{items}</div>'
 
 
@@ -41,7 +45,7 @@ def tower(steps: list[tuple[str, Step]], policy: Policy) -> str:
         svg.text(124, y + 18, shown, weight="bold", tip=label(s))
         objective = objective_of(policy, s) if s.status != "baseline" else None
         change = s.changes.get(objective) if objective else None
-        detail = esc(STATUS_TEXT.get(s.status, s.status))
+        detail = esc(status_text(s.status))
         if is_num(change):
             detail += f" · {esc(objective)} <tspan{data_attrs(idx, f'changes.{objective}', change)}>{change:+.1%}</tspan>"
         elif s.status in ("skipped", "failed"):
@@ -70,7 +74,7 @@ def waterfalls(trace: Trace, steps: list[tuple[str, Step]], policy: Policy) -> l
     out += ["<h2>Objective per layer</h2>", ('<p class="note">Each layer is judged on its own objective. From the baseline, through every measured '
             "step of the layer (solid: kept, hollow: rolled back; the grey band is the step's threshold: its interval half-width, at least min_effect), to the final plan. Later layers can "
             "move a layer's objective too (the last bar). The first and last bars are the baseline and the final plan as the final "
-            "confirmation measured them, the numbers under Final plan (before a confirmation: the baseline's calibration and the final "
+            "confirmation measured them at the load the layer was judged on, the numbers of The answer (before a confirmation: the baseline's calibration and the final "
             "plan's last step); each step's bar is from its own comparison, so the bars need not join on a noisy machine.</p>")]
     for layer in layers:
         objective = policy.objective_for(layer)
@@ -89,15 +93,16 @@ def waterfalls(trace: Trace, steps: list[tuple[str, Step]], policy: Policy) -> l
 
 
 def _totals(trace: Trace, objective: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The waterfall's baseline and final-plan bars: the confirmation's medians of ``objective``
-    when it measured them (the page's one final number, the cards' too), else the baseline's own
-    measurement and the final plan's last step."""
+    """The waterfall's baseline and final-plan bars: the confirmation's medians of ``objective`` at
+    the load its layer was judged on (:meth:`.reader.Reader.objective_figure`: one request at a
+    time for an objective a later step traded, where its own step measured it), the numbers of the
+    first screen; before a confirmation, the baseline's own measurement and the final plan's last step."""
+    fig = Reader(trace).objective_figure(objective)
+    if fig is not None and is_num(fig.final) and is_num(fig.baseline):
+        where = f" ({fig.clients} client{'' if fig.clients == 1 else 's'})" if fig.clients is not None else ""
+        return ({"label": f"baseline{where}", "kind": "total", "value": fig.baseline, "step": "final", "path": f"{fig.path}.baseline_median"},
+                {"label": f"final plan{where}", "kind": "total", "value": fig.final, "step": "final", "path": f"{fig.path}.final_median"})
     final = trace.final or {}
-    conf = ((final.get("confirmation") or {}).get("metrics") or {}).get(objective) or {}
-    if final.get("status") in ("confirmed", "not_confirmed") and is_num(conf.get("final_median")) and is_num(conf.get("baseline_median")):
-        path = f"confirmation.metrics.{objective}"
-        return ({"label": "baseline", "kind": "total", "value": conf["baseline_median"], "step": "final", "path": f"{path}.baseline_median"},
-                {"label": "final plan", "kind": "total", "value": conf["final_median"], "step": "final", "path": f"{path}.final_median"})
     return ({"label": "baseline", "kind": "total", "value": trace.baseline.metrics.get(objective), "step": "0", "path": f"metrics.{objective}"},
             {"label": "final plan", "kind": "total", "value": (final.get("metrics") or {}).get(objective), "step": "final", "path": f"metrics.{objective}"})
 
@@ -195,7 +200,7 @@ def _load_table(measured: list[tuple[str, Step]]) -> str:
     for i, s in measured:
         info = s.metrics.get("load") or {}
         ended = [sum(r.get(k, 0) for r in info.get("rounds", [])) for k in ("done", "timeout", "cancelled", "rejected")]
-        body.append(f"<tr><td>{esc(label(s))}</td><td>{esc(STATUS_TEXT.get(s.status, s.status))}</td><td>{esc(_offered(info))}</td>"
+        body.append(f"<tr><td>{esc(label(s))}</td><td>{esc(status_text(s.status))}</td><td>{esc(_offered(info))}</td>"
                     f"{cell(i, s.metrics, 'throughput_tokens_per_s')}<td>{' / '.join(map(str, ended))}</td></tr>")
     return f"<h3>Under load</h3><table>{head}{''.join(body)}</table>"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from fractal_opt.pipeline.report_answers import answer_pairs, answers_html, answers_lines, answers_text
+from fractal_opt.report.answers import answer_pairs, answers_html, answers_lines, answers_text
 
 BASE = {
     "prompts": {"w1": "What is the capital of France?", "w2": "Say hi."},
@@ -24,7 +24,7 @@ FINAL = {
 
 def _trace():
     baseline = SimpleNamespace(metrics={"quality": BASE})
-    return SimpleNamespace(baseline=baseline, final={"metrics": {"quality": FINAL}})
+    return SimpleNamespace(recipe={}, baseline=baseline, final={"metrics": {"quality": FINAL}})
 
 
 def test_changed_answers_come_first_and_unchanged_eval_answers_are_left_out():
@@ -45,7 +45,8 @@ def test_report_md_html_and_terminal_show_both_answers():
 
 def test_no_baseline_no_section():
     """A trace without a baseline (a run that failed early) has no answers section."""
-    assert answers_lines(SimpleNamespace(baseline=None, final={})) == [] and answers_html(SimpleNamespace(baseline=None, final={})) == ""
+    empty = SimpleNamespace(recipe={}, baseline=None, final={})
+    assert answers_lines(empty) == [] and answers_html(empty) == ""
 
 
 def test_answers_served_under_a_load_profile_show_their_suite_prompt():

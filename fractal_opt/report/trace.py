@@ -1,27 +1,23 @@
-"""Trace: the ledger of a run — per step the pass, the plan, the numbers, the verdict and why.
+"""Trace: the ledger of a run, a plain record: per step the pass, the plan, the numbers, the verdict and why.
 
-Renders to JSON (``trace.json``), Markdown (``report.md``), a terminal table, and a notebook
-``_repr_html_``; :meth:`Trace.to_recipe` writes the kept passes as a recipe.
+It stores and reads (``trace.json``: :meth:`Trace.to_json`, :meth:`Trace.from_dict`,
+:meth:`Trace.load`) and writes the kept passes as a recipe (:meth:`Trace.to_recipe`); it renders
+nothing. Every consumer reads it through :class:`fractal_opt.report.reader.Reader` (the final
+plan's one figure per metric, the steps in order, the objectives, the answers), and the renderers
+(:mod:`fractal_opt.report.terminal`, :mod:`.markdown`, :mod:`.html`) draw what the reader says.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import textwrap
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..core.errors import FractalOptError
-from .confirm_text import final_lines
 from .labels import pass_label
-from .report import calibration_lines, final_one_user_lines, measurement_lines, one_user_lines
-from .report_answers import answers_lines
-from .report_tables import guard_lines, load_table, time_lines, work_table
-from .run_info import now, run_info, wall_time
-from .targets import target_lines, target_summary
 
 __all__ = ["SCHEMA_VERSION", "Step", "Trace", "TraceSchemaError"]
 
@@ -32,20 +28,6 @@ SCHEMA_VERSION = 2
 
 class TraceSchemaError(FractalOptError, ValueError):
     """A trace.json this fractal_opt cannot read (written by a newer one, or not a trace)."""
-
-# Columns of the tower table: (metric key, header, format). Quality keys live under "quality".
-COLUMNS = (
-    ("decode_tokens_per_s", "decode tok/s", "{:.1f}"),
-    ("ttft_ms", "TTFT ms", "{:.0f}"),
-    ("prefill_ms", "prefill ms", "{:.0f}"),
-    ("e2e_ms", "e2e ms", "{:.0f}"),
-    ("throughput_tokens_per_s", "throughput tok/s", "{:.1f}"),
-    ("peak_memory_mb", "peak MB", "{:.0f}"),
-    ("weight_mb", "weights MB", "{:.0f}"),
-    ("kl_mean", "KL", "{:.4f}"),
-    ("agreement", "agree", "{:.2f}"),
-)
-
 
 @dataclass
 class Step:
@@ -101,22 +83,12 @@ class Trace:
     final: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
     searches: list[dict[str, Any]] = field(default_factory=list)  # a search pass's answer (concurrency: the highest level under the SLO)
-    # versions, started_at / ended_at, model fingerprint (pipeline/run_info.py); None = record them now
-    run: dict[str, Any] | None = None
-    _end_stamped: bool = field(default=False, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.run is None:
-            self.run = run_info(self.recipe, self.machine)
+    # versions, started_at / ended_at, model fingerprint: the runner records them (pipeline/run_info.py)
+    run: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ serialization
     def to_dict(self) -> dict[str, Any]:
-        """The trace as plain data. Each call while the run goes on stamps ``run.ended_at`` (the
-        last moment known); the first call after ``finished`` is set stamps the end for good."""
-        assert self.run is not None
-        if not self._end_stamped:
-            self.run["ended_at"] = now()
-            self._end_stamped = self.finished
+        """The trace as plain data, as trace.json holds it."""
         return {
             "schema_version": SCHEMA_VERSION,
             "run": self.run,
@@ -139,12 +111,6 @@ class Trace:
         if non_finite:
             data["non_finite"] = non_finite
         return json.dumps(data, indent=2, default=str, allow_nan=False)
-
-    def to_html(self) -> str:
-        """report.html: the whole run as one self-contained page (pipeline/report_html.py)."""
-        from .report_html import render_html
-
-        return render_html(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trace:
@@ -174,8 +140,6 @@ class Trace:
             finished=data.get("finished", False),
             searches=data.get("searches", []),
         )
-        # A finished trace keeps its end time; an old one without run info gets none invented.
-        trace._end_stamped = trace.finished or not trace.run
         return trace
 
     @classmethod
@@ -223,109 +187,6 @@ class Trace:
         count = final.census.get("threads") if final is not None else None
         return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
 
-    # ------------------------------------------------------------------ rendering
-    def rows(self) -> list[list[str]]:
-        """The tower table: one row per step, numbers with their change vs the previous plan."""
-        rows = []
-        for s in ([self.baseline] if self.baseline else []) + self.steps:
-            row = [s.layer, s.label(), s.status]
-            for key, _, fmt in COLUMNS:
-                v = s.value(key)
-                cell = fmt.format(v) if isinstance(v, int | float) else "–"
-                ch = s.changes.get(key)
-                if ch is not None and s.status != "baseline" and key not in ("kl_mean", "agreement"):
-                    cell += f" ({ch:+.0%})"
-                row.append(cell)
-            row.append(s.reason)
-            rows.append(row)
-        return rows
-
-    def headers(self) -> list[str]:
-        return ["layer", "pass", "status", *(h for _, h, _ in COLUMNS), "reason"]
-
-    def to_markdown(self) -> str:
-        lines = [f"# fractal_opt report: {self.recipe.get('name') or self.recipe.get('model')}", ""]
-        m = self.machine
-        if m:
-            lines += [f"Machine: {m.get('cpu')}, {m.get('logical_cores')} logical / {m.get('physical_cores')} physical cores, "
-                      f"{(m.get('memory_bytes') or 0) / 2**30:.1f} GiB RAM, GPUs: {', '.join(m.get('cuda_devices') or []) or 'none'}; "
-                      f"torch {m.get('packages', {}).get('torch')}, transformers {m.get('packages', {}).get('transformers')}.", ""]
-        if self.finished and (took := wall_time(self.run or {})):
-            lines += [f"Wall time: {took} (this run on this machine, {self.run['started_at']} -> {self.run['ended_at']}).", ""]
-        lines += time_lines(self.baseline, self.steps, calibration=self.calibration, final=self.final)  # --- where the time went (report_tables.py)
-        wl = self.recipe.get("workload", {})
-        lines += [f"Workload: suite `{wl.get('suite')}`, {wl.get('max_new_tokens')} new tokens max, {wl.get('repeats')} repeats after {wl.get('warmup')} warm-up. "
-                  "Numbers are medians; (±%) is the change against the previous kept plan; KL and agreement are against the baseline.", ""]
-        lines += calibration_lines(self.calibration, threads=self.ran_threads())
-        lines += ["| " + " | ".join(self.headers()) + " |", "|" + "---|" * len(self.headers())]
-        for row in self.rows():
-            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
-        lines.append("")
-        lines += work_table([self.baseline] if self.baseline else [], self.steps)
-        lines += load_table([self.baseline] if self.baseline else [], self.steps)
-        lines += one_user_lines(self.baseline, self.steps)  # --- what one user gets per step (pipeline/one_user.py)
-        lines += measurement_lines(([self.baseline] if self.baseline else []) + self.steps)
-        lines += guard_lines(self.steps)  # --- the guards in force per step
-        lines += final_lines(self.final)  # --- final vs baseline, only from the final confirmation (pipeline/confirm.py)
-        lines += answers_lines(self)  # the baseline's and the final plan's answers side by side (report_answers.py)
-        lines += final_one_user_lines(self.final)  # --- the same, for one user
-        lines += [f"Search: {s['answer']} ({s['summary']})." for s in self.searches]  # --- a search pass's answer
-        # --- targets (pipeline/targets.py): the gap per step and which were met
-        lines += [""] + target_lines(self.recipe, self.baseline, self.steps, self.final) if self.recipe.get("targets") else []
-        # --- end targets
-        if not self.finished:
-            lines.append("")
-            lines.append("**This run did not finish**: the table shows the steps completed so far.")
-        return "\n".join(lines) + "\n"
-
-    def to_text(self, width: int = 120) -> str:
-        """A table for a terminal ``width`` columns wide; each reason is wrapped under its row.
-
-        What does not fit is left out, least telling first: long pass labels are cut, then
-        columns dropped (named under the table), and a reason over two lines is cut; report.md
-        holds everything in full.
-        """
-        headers = self.headers()[:-1]
-        rows = self.rows()
-        keep = list(range(len(headers)))
-
-        def widths(cap: int) -> list[int]:
-            return [min(cap, max(len(headers[i]), *(len(r[i]) for r in rows))) if i == 1 else max(len(headers[i]), *(len(r[i]) for r in rows))
-                    for i in keep] if rows else [len(headers[i]) for i in keep]
-
-        cap = 40
-        dropped: list[str] = []
-        while sum(widths(cap)) + 2 * (len(keep) - 1) > width:
-            droppable = [i for i in keep if i >= 3 and headers[i] in TEXT_DROP_ORDER]
-            if cap > 36:
-                cap -= 2
-            elif droppable:
-                worst = max(droppable, key=lambda i: TEXT_DROP_ORDER.index(headers[i]))
-                keep.remove(worst)
-                dropped.append(headers[worst])
-            elif cap > 12:
-                cap -= 4
-            else:
-                break
-        ws = widths(cap)
-        out = ["  ".join(headers[i].ljust(w) for i, w in zip(keep, ws)).rstrip(), "  ".join("-" * w for w in ws)]
-        for r in rows:
-            out.append("  ".join(_fit(r[i], w).ljust(w) for i, w in zip(keep, ws)).rstrip())
-            lines = textwrap.wrap(r[-1], width=max(width - 7, 20), break_long_words=True) or [""]
-            if len(lines) > 2:
-                lines = [lines[0], _fit(lines[1] + " " + " ".join(lines[2:]), max(width - 7, 20) - len(" [...report.md]")) + " [...report.md]"]
-            out += ["    -> " + lines[0], *("       " + line for line in lines[1:])]
-        if dropped:
-            out += textwrap.wrap(f"(left out to fit {width} columns: {', '.join(reversed(dropped))}; report.md and report.html have every column)", width=width)
-        out += ["", *target_summary(self.final)] if self.final.get("targets") else []  # targets: which were met
-        return "\n".join(out)
-
-    def _repr_html_(self) -> str:
-        """In a notebook: the same content as report.html (styles scoped to the output)."""
-        from .report_html import render_fragment
-
-        return render_fragment(self)
-
     def __repr__(self) -> str:
         counts: dict[str, int] = {}
         for s in self.steps:
@@ -336,14 +197,6 @@ class Trace:
         kept = ", ".join(self.final.get("kept") or []) or "none"
         return (f"Trace({self.recipe.get('name') or self.recipe.get('model')!s}: {len(self.steps)} steps ({tally}), "
                 f"{'finished' if self.finished else 'not finished'}\n  kept: {kept}" + (f"\n  final vs baseline: {gains}" if gains else "") + ")")
-
-
-# Terminal columns left out first when the table is too wide (report.md keeps them all).
-TEXT_DROP_ORDER = ("e2e ms", "TTFT ms", "throughput tok/s", "KL", "agree", "weights MB", "peak MB", "prefill ms")
-
-
-def _fit(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
 
 
 def _finite(value: Any, path: str, found: dict[str, str]) -> Any:

@@ -1,17 +1,17 @@
 """Markdown for the measurement side of report.md: noise calibration, latency percentiles, the roofline, and what one user gets.
 
-Called by :meth:`fractal_opt.trace.Trace.to_markdown`; reads only what trace.json stores.
+Called by :func:`fractal_opt.report.markdown.report_md`; reads only what trace.json stores.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ..measure.busier import measured_under
 from . import one_user
 
-__all__ = ["busy_warning", "calibration_lines", "final_one_user_lines", "measurement_lines", "one_user_lines"]
+__all__ = ["busy_warning", "calibration_lines", "measurement_lines", "one_user_lines", "resolution"]
 
 # The calibration metrics the report spells out (trace.json keeps all of them).
 _CALIBRATED = ("decode_tokens_per_s", "ttft_ms", "prefill_ms", "e2e_ms", "throughput_tokens_per_s", "peak_memory_mb")
@@ -19,6 +19,12 @@ _CALIBRATED = ("decode_tokens_per_s", "ttft_ms", "prefill_ms", "e2e_ms", "throug
 
 def _num(v: Any, fmt: str) -> str:
     return fmt.format(v) if isinstance(v, int | float) and not isinstance(v, bool) else "–"
+
+
+def resolution(interval: Sequence[float]) -> str:
+    """``2.4%``: half the width of an A/A interval, the smallest change a number can show here (an
+    A/A comparison estimates no change, so its interval is a resolution, not a bound on an estimate)."""
+    return f"{(interval[1] - interval[0]) / 2:.1%}"
 
 
 def busy_warning(calibration: dict[str, Any]) -> str | None:
@@ -43,7 +49,7 @@ def busy_warning(calibration: dict[str, Any]) -> str | None:
     return text + advice
 
 
-def calibration_lines(calibration: dict[str, Any], *, threads: int | None = None) -> list[str]:
+def calibration_lines(calibration: dict[str, Any], *, threads: int | None = None, warn: bool = True) -> list[str]:
     """The busy-machine warning (first, in bold, when there is one), then one paragraph: the A/A
     change of the main metrics with their 95% intervals, and the smallest change it can resolve;
     then the load the numbers were measured under with the plan's ``threads``
@@ -51,7 +57,7 @@ def calibration_lines(calibration: dict[str, Any], *, threads: int | None = None
     if not calibration:
         return []
     out = []
-    if warning := busy_warning(calibration):
+    if warn and (warning := busy_warning(calibration)):  # report.md says it under the answer instead (warn=False)
         out += [f"**{warning}**", ""]
     intervals = calibration.get("intervals") or {}
     parts = []
@@ -60,9 +66,10 @@ def calibration_lines(calibration: dict[str, Any], *, threads: int | None = None
         if not isinstance(v, int | float):
             continue
         iv = intervals.get(m)
-        parts.append(f"{m} {v:+.1%}" + (f" [{iv[0]:+.1%}, {iv[1]:+.1%}]" if iv else ""))
+        parts.append(f"{m} ±{resolution(iv)} (A/A {v:+.1%})" if iv else f"{m} {v:+.1%}")
     rounds = calibration.get("rounds")
-    head = f"Noise calibration (baseline against itself, interleaved, {rounds} rounds; A/A change [95% interval]): " if rounds else "Noise calibration (baseline measured twice, A/A change): "
+    head = (f"Noise calibration (baseline against itself, interleaved, {rounds} rounds; the smallest change each number can show: half the "
+            "width of its A/A 95% interval, which brackets no change): " if rounds else "Noise calibration (baseline measured twice, A/A change): ")
     tail = ""
     if calibration.get("resolves"):
         per_metric = calibration.get("resolution") or {}
@@ -127,18 +134,3 @@ def one_user_lines(baseline: Any, steps: Sequence[Any]) -> list[str]:
             "requests and rounds, streams is the median request's decode tokens/s; previous plan -> this step, each % computed from "
             "the two numbers next to it (the verdict's paired estimates are in the table above):")
     return [head, "", *rows, ""]
-
-
-def final_one_user_lines(final: Mapping[str, Any]) -> list[str]:
-    """The one-user line of the final confirmation, baseline -> final plan (medians of the same
-    rounds); empty unless the confirmation measured them."""
-    metrics = (final.get("confirmation") or {}).get("metrics") or {}
-    if final.get("status") not in ("confirmed", "not_confirmed"):
-        return []
-    before = {m: (metrics.get(m) or {}).get("baseline_median") for m, *_ in one_user.FIGURES}
-    after = {m: (metrics.get(m) or {}).get("final_median") for m, *_ in one_user.FIGURES}
-    text = one_user.summary(before, after)
-    if not text:
-        return []
-    return ["", (f"One user, baseline -> final plan (medians of the confirmation's rounds; each % computed from the two numbers next to it, "
-                 f"the paired estimates are in the table above): {text}."), ""]

@@ -1,7 +1,7 @@
 """What one user gets, per step: report.md and report.html show TTFT, streaming speed and answer time, previous plan -> step.
 
 Most tests build the trace by hand (as test_trace.py does) so the numbers are known; one runs the
-pipeline on fake engines (as test_report_html.py does) and reads the files it writes.
+pipeline on fake engines (as test_html.py does) and reads the files it writes.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import pytest
 from conftest import small_recipe_dict
 
 from fractal_opt.measure.machine_limits import MachineLimits
-from fractal_opt.pipeline import one_user
 from fractal_opt.pipeline.runner import Pipeline
-from fractal_opt.pipeline.trace import Step, Trace
+from fractal_opt.report import one_user
+from fractal_opt.report.html import render_html
+from fractal_opt.report.markdown import report_md
+from fractal_opt.report.trace import Step, Trace
 from fractal_opt.testing import FakeEngine, cpu_machine
 
 # "TTFT 455 -> 612 ms (+35%)" as report.md prints it (report.html prints the arrow as →).
@@ -56,7 +58,7 @@ def trace() -> Trace:
 
 def test_one_user_line_shows_previous_and_step_numbers(trace):
     """Each measured step's line holds the previous kept plan's TTFT, streaming speed and answer time next to its own."""
-    rows = _section(trace.to_markdown())
+    rows = _section(report_md(trace))
     assert rows[0] == "- baseline: TTFT 455 ms, streams 18.0 tok/s, answer 2.14 s"
     batching = next(r for r in rows if "scheduling/batching" in r)
     assert "TTFT 430 -> 1,720 ms (+300%)" in batching  # the kept dtype is the plan it was judged against
@@ -67,7 +69,7 @@ def test_one_user_line_shows_previous_and_step_numbers(trace):
 @pytest.mark.parametrize("where", ["md", "html"])
 def test_every_percentage_is_the_ratio_of_the_printed_pair(trace, where):
     """Each % printed next to a pair equals (second / first - 1) of the two numbers as printed, in report.md and report.html."""
-    text = trace.to_markdown() if where == "md" else re.sub(r"<[^>]+>", "", trace.to_html())
+    text = report_md(trace) if where == "md" else re.sub(r"<[^>]+>", "", render_html(trace))
     pairs = FIGURE.findall(text)
     assert len(pairs) >= 6, pairs
     for _, before, after, _, pct in pairs:
@@ -82,9 +84,9 @@ def test_percentage_is_computed_from_the_rounded_numbers():
 
 def test_skipped_and_failed_steps_show_nothing(trace):
     """A skipped or failed step measured nothing: it has no one-user line in report.md nor in report.html."""
-    rows = _section(trace.to_markdown())
+    rows = _section(report_md(trace))
     assert len(rows) == 3 and not any("kv_cache" in r or "compile" in r for r in rows), rows
-    page = trace.to_html()
+    page = render_html(trace)
     assert re.findall(r'data-one-user="(\d+)"', page) == ["0", "1", "2"]
 
 
@@ -93,45 +95,48 @@ def test_previous_plan_is_the_last_kept_step_or_the_baseline():
     steps = [_step("a", "hardware", "rolled_back", _user(900.0, 10.0, 3000.0)), _step("b", "hardware", "rolled_back", _user(500.0, 20.0, 2000.0))]
     prev = one_user.previous_plans(_trace(steps).baseline, steps)
     assert [p.step for p in prev] == ["0", "0"] and prev[1].metrics["ttft_ms_p50"] == 455.0
-    rows = _section(_trace(steps).to_markdown())
+    rows = _section(report_md(_trace(steps)))
     assert "TTFT 455 -> 500 ms (+10%)" in rows[2] and "baseline as the A/A calibration measured it" in rows[2]
 
 
 def test_previous_plan_from_the_same_rounds_when_the_step_stores_it():
     """A step that stores the previous plan's medians of its own rounds (metrics.previous) is set against those, and says so."""
     steps = [_step("batching", "scheduling", "kept", _user(612.0, 33.1, 1430.0, previous=_user(470.0, 18.5, 2200.0)))]
-    row = _section(_trace(steps).to_markdown())[1]
+    row = _section(report_md(_trace(steps)))[1]
     assert "TTFT 470 -> 612 ms (+30%)" in row and "(previous plan in the same rounds)" in row
-    assert 'data-step="1" data-metric="metrics.previous.ttft_ms_p50" data-value="470.0"' in _trace(steps).to_html()
+    assert 'data-step="1" data-metric="metrics.previous.ttft_ms_p50" data-value="470.0"' in render_html(_trace(steps))
 
 
 def test_under_a_load_profile_the_label_says_queueing_is_included():
     """Under a load profile the heading says the numbers are each request as its caller saw it, queueing included."""
     load = {"mode": "poisson", "rate": 2.0, "requests": 12, "rounds": []}
     steps = [_step("batching", "scheduling", "kept", _user(612.0, 33.1, 1430.0, load=load))]
-    md = _trace(steps).to_markdown()
+    md = report_md(_trace(steps))
     assert "per request as one user saw it under this workload's load profile (poisson, 2.0/s: TTFT includes queueing)" in md
 
 
-def test_final_confirmation_has_a_one_user_line():
-    """The confirmed final plan gets the one-user line from the confirmation's medians; a provisional one gets none."""
+def test_the_confirmed_final_plan_shows_what_one_user_gets_on_the_first_screen():
+    """The confirmed final plan's decode, TTFT and answer time are on report.md's first screen, from the
+    confirmation's medians with their intervals, and in report.html tied to them; a provisional plan shows none."""
     def entry(b, a):
-        return {"change": a / b - 1, "interval": [-0.5, 0.5], "band": 0.05, "verdict": "better", "baseline_median": b, "final_median": a}
+        return {"change": a / b - 1, "interval": [a / b - 1.05, a / b - 0.95], "band": 0.05, "verdict": "better", "baseline_median": b, "final_median": a}
     final = {"kept": ["hardware/dtype"], "status": "confirmed", "vs_baseline": {},
              "confirmation": {"mode": "interleaved", "rounds": 3, "note": "n", "objectives": ["decode_tokens_per_s"],
-                              "metrics": {"ttft_ms_p50": entry(455.0, 300.0), "decode_tokens_per_s": entry(18.0, 24.2), "e2e_ms_p50": entry(2140.0, 1650.0)}}}
-    steps = [_step("dtype", "hardware", "kept", _user(430.0, 24.0, 1700.0))]
-    md = _trace(steps, final=final).to_markdown()
-    assert "One user, baseline -> final plan" in md and "TTFT 455 -> 300 ms (-34%), streams 18.0 -> 24.2 tok/s (+34%), answer 2.14 -> 1.65 s (-23%)" in md
-    page = _trace(steps, final=final).to_html()
-    assert 'data-metric="confirmation.metrics.e2e_ms_p50.final_median" data-value="1650.0" data-scale="0.001">1.65<' in page
-    provisional = _trace(steps, final={"kept": ["hardware/dtype"], "status": "provisional"})
-    assert "One user, baseline" not in provisional.to_markdown() and "One user, baseline" not in provisional.to_html()
+                              "metrics": {"ttft_ms": entry(455.0, 300.0), "decode_tokens_per_s": entry(18.0, 24.2), "e2e_ms": entry(2140.0, 1650.0)}}}
+    steps = [_step("dtype", "hardware", "kept", _user(430.0, 24.0, 1700.0), dtype="bfloat16")]
+    md = report_md(_trace(steps, final=final))
+    answer = md[md.index("## The answer"):md.index("## How it was measured")]
+    assert "**decode 18.0 -> 24.2 tokens/s per stream: +34.4% [95%: +29.4%, +39.4%], confirmed (hardware objective)**" in answer
+    assert "TTFT 455 -> 300 ms: -34.1%" in answer and "answer time 2.14 -> 1.65 s: -22.9%" in answer
+    page = render_html(_trace(steps, final=final))
+    assert 'data-metric="confirmation.metrics.e2e_ms.final_median" data-value="1650.0" data-scale="0.001">1.65<' in page
+    provisional = report_md(_trace(steps, final={"kept": ["hardware/dtype"], "status": "provisional"}))
+    assert "per stream" not in provisional[provisional.index("## The answer"):provisional.index("## How it was measured")]
 
 
 def test_report_html_ties_each_number_to_trace_json(trace):
     """report.html's one-user line marks each number with its step and trace.json path (the answer shown in seconds)."""
-    page = trace.to_html()
+    page = render_html(trace)
     row = re.search(r'<tr class="one-user" data-one-user="2">(.*?)</tr>', page).group(1)
     assert 'data-step="1" data-metric="metrics.ttft_ms_p50" data-value="430.0">430<' in row
     assert 'data-step="2" data-metric="metrics.e2e_ms_p50" data-value="4400.0" data-scale="0.001">4.40<' in row

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .labels import pass_label
-from .report_svg import fmt_num, is_num
+from .svg import fmt_num, is_num
 
 __all__ = ["FIGURES", "Figure", "Previous", "figures", "line", "previous_plans", "summary", "under"]
 
