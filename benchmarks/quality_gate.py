@@ -1,6 +1,6 @@
 """Is the quality gate itself right? Deliberately harmful changes must all be rolled back, harmless ones kept.
 
-    python benchmarks/quality_gate.py [--json] [--only NAME ...]
+    python benchmarks/quality_gate.py [--json] [--only NAME ...] [--folder DIR]
 
 Each change is a plan (or the baseline's engine with one setting broken after it is built) on the
 embedded SmolLM2-135M-Instruct. Its quality evidence is measured exactly as a pipeline step
@@ -17,7 +17,11 @@ family's chat template, a context cap that cuts the long prompts, a sampling tem
 into serving, two layers swapped, llama.cpp's Q4_1 kernels (they change the README question's
 answer), the GGUF re-quantized to Q4_0, special tokens split into text (a tokenizer setting).
 Harmless (should be kept): one thread, the eager attention kernel, prepacked weights, bf16 on
-transformers, bf16 on llama.cpp, a response cache. Prints one line per change, then the totals;
+transformers, bf16 on llama.cpp, a response cache. Measured and reported in neither set: the
+weights in Q8_0 on llama.cpp (refused on the embedded Q4_1 GGUF: quantizing up). ``--folder DIR``
+runs the same changes on the embedded model given as a folder (its safetensors conversion, copied
+elsewhere), where llama.cpp gets the folder converted exactly (F32, harmless) instead of the GGUF's
+Q4_1 kernels, and Q8_0 is a real step down from float32. Prints one line per change, then the totals;
 ``--json`` prints one object with ``harmful_total``, ``harmful_rejected``, ``harmless_total``,
 ``harmless_kept`` and each change's numbers.
 """
@@ -30,6 +34,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -46,6 +51,7 @@ from fractal_opt.tower.plan import Plan
 from fractal_opt.workloads.workload import Workload
 
 MODEL = "smollm2-135m-instruct"
+MODEL_SOURCE = [MODEL]  # --folder replaces it: the embedded model's safetensors folder, copied elsewhere
 WORKLOAD = Workload(suite="default", limit=4, max_new_tokens=32)  # the quickstart's prompts and length
 EVAL_TOKENS = 24  # QualityConfig.eval_max_new_tokens' default
 # Llama 2's template: a real mistake (a model served with another family's template).
@@ -58,15 +64,18 @@ def _swap_layers(engine: Any) -> None:
 
 
 def _wrong_template(engine: Any) -> None:
-    engine.tokenizer.chat_template = WRONG_TEMPLATE
+    from fractal_opt.weights.prompts import PromptFormat
+
+    engine.prompt_format = PromptFormat(WRONG_TEMPLATE, "another family's template")  # every prompt is rendered through it
 
 
 def _split_special_tokens(engine: Any) -> None:
     engine.tokenizer.split_special_tokens = True  # "<|im_start|>" read as text, not the control token
 
 
-# name -> (harmful?, layer, [(pass, params)], mutation of the built engine or None)
-CHANGES: dict[str, tuple[bool, Layer, list[tuple[str, dict]], Callable[[Any], None] | None]] = {
+# name -> (harmful?, layer, [(pass, params)], mutation of the built engine or None); harmful None:
+# measured and reported, in neither set (it joins the harmless set once it keeps the eval).
+CHANGES: dict[str, tuple[bool | None, Layer, list[tuple[str, dict]], Callable[[Any], None] | None]] = {
     "int4 weights, no skip list": (True, Layer.MODEL, [("quantize", {"bits": 4, "backend": "quanto", "skip": ()})], None),
     "2-bit KV cache": (True, Layer.MODEL, [("kv_cache", {"implementation": "quantized", "bits": 2, "backend": "quanto"})], None),
     "wrong chat template": (True, Layer.APPLICATION, [], _wrong_template),
@@ -82,11 +91,17 @@ CHANGES: dict[str, tuple[bool, Layer, list[tuple[str, dict]], Callable[[Any], No
     "bf16 on transformers": (False, Layer.HARDWARE, [("dtype", {"dtype": "bfloat16"})], None),
     "bf16 on llama.cpp": (False, Layer.HARDWARE, [("runtime", {"backend": "llama_cpp", "dtype": "bfloat16"})], None),
     "response cache": (False, Layer.APPLICATION, [("response_cache", {})], None),
+    "llama.cpp Q8_0": (None, Layer.MODEL, [("runtime", {"backend": "llama_cpp"}), ("quantize", {"bits": 8, "backend": "gguf"})], None),
 }
+# The embedded GGUF's own Q4_1 blocks exist only there; a folder is converted exactly (F32) instead.
+GGUF_ONLY = {"llama.cpp Q4_1 kernels"}
+FOLDER_ONLY = {"llama.cpp F32 (the folder converted exactly)": (False, Layer.HARDWARE, [("runtime", {"backend": "llama_cpp"})], None)}
+# On the embedded GGUF (Q4_1, 5 bits a weight) Q8_0 would be quantizing up, which the ladder refuses.
+SOURCE_EXCLUDES = {"gguf": {"llama.cpp Q8_0"}, "folder": GGUF_ONLY}
 
 
 def _plan(steps: list[tuple[str, dict]]) -> Plan:
-    plan = Plan(source=MODEL)
+    plan = Plan(source=MODEL_SOURCE[0])
     for name, params in steps:
         plan = get_pass(name)(**params).apply(plan)
     return plan
@@ -120,10 +135,12 @@ def _one(name: str, reference: Any, items: list, base: dict[str, Any], say: Call
             mutate(engine)
         quality = _evidence(engine, reference)
         v = _verdict(layer, quality, base)
-        # A change the KL or agreement guard already rolls back stays rolled back whatever its
-        # eval says: the eval (the slowest probe: 45 answers, 20 minutes on int4 quanto under load)
-        # is scored only for a change still standing. The pipeline scores it on every step.
-        if v.kept:
+        # A change the KL guard already rolls back stays rolled back whatever its eval says: the
+        # eval (the slowest probe: 45 answers, 20 minutes on int4 quanto under load) is scored only
+        # where it can decide: a change still standing, or one whose agreement tripped, which the
+        # eval then judges (the default agreement guard is judged_by accuracy). The pipeline scores
+        # it on every step whose objective improved.
+        if v.kept or _verdict(layer, {**quality, "accuracy": base["accuracy"]}, base).kept:
             quality.update(score(engine, items, max_new_tokens=EVAL_TOKENS, baseline=base["eval_items"]))
             v = _verdict(layer, quality, base)
     finally:
@@ -140,15 +157,20 @@ def _one(name: str, reference: Any, items: list, base: dict[str, Any], say: Call
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--only", nargs="*", choices=sorted(CHANGES), help="these changes only")
+    ap.add_argument("--only", nargs="*", choices=sorted([*CHANGES, *FOLDER_ONLY]), help="these changes only")
+    ap.add_argument("--folder", type=Path, help="the embedded model as a folder (its safetensors conversion, copied elsewhere) instead of its GGUF")
     args = ap.parse_args()
-    names = args.only or list(CHANGES)
+    if args.folder:
+        MODEL_SOURCE[0] = str(args.folder)
+        CHANGES.update(FOLDER_ONLY)
+    excluded = SOURCE_EXCLUDES["folder" if args.folder else "gguf"]
+    names = [n for n in (args.only or list(CHANGES)) if n not in excluded]
     # With --json the JSON object is the whole of stdout: progress (ours and the runtimes' load lines) goes to stderr.
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     machine, load_before, t0 = Machine.probe(), os.getloadavg(), time.perf_counter()
     items = load_eval_set("basics")
     say("baseline: float32 transformers, scoring the reference text, the workload and the eval set")
-    engine = build(Plan(source=MODEL), max_new_tokens=WORKLOAD.max_new_tokens, progress=say)
+    engine = build(Plan(source=MODEL_SOURCE[0]), max_new_tokens=WORKLOAD.max_new_tokens, progress=say)
     reference = build_reference(engine, {}, QualityConfig())
     base = _evidence(engine, reference)
     reference.outputs = base.pop("outputs")
@@ -159,15 +181,15 @@ def main() -> int:
     for name in names:
         r = _one(name, reference, items, base, say)
         results.append(r)
-        say(f"{'harmful' if r['harmful'] else 'harmless'} | {name}: {'KEPT' if r['kept'] else 'rolled back'} "
+        say(f"{ {True: 'harmful', False: 'harmless', None: 'measured'}[r['harmful']] } | {name}: {'KEPT' if r['kept'] else 'rolled back'} "
             f"(kl {r['kl_mean']}, agreement {r['agreement']}, eval lost {r['eval_lost']} gained {r['eval_gained']}, {r['seconds']} s) "
             f"README: {(r['readme_answer'] or 'eval not scored: already rolled back')[:50]!r}")
     harmful = [r for r in results if r["harmful"]]
-    harmless = [r for r in results if not r["harmful"]]
+    harmless = [r for r in results if r["harmful"] is False]
     summary = {
         "harmful_total": len(harmful), "harmful_rejected": sum(not r["kept"] for r in harmful),
         "harmless_total": len(harmless), "harmless_kept": sum(r["kept"] for r in harmless),
-        "baseline_eval": f"{base['eval_passed']}/{base['eval_total']}",
+        "baseline_eval": f"{base['eval_passed']}/{base['eval_total']}", "model": MODEL_SOURCE[0],
         "machine": {"cpu": machine.cpu, "logical_cores": machine.logical_cores, "flags": sorted(f for f in machine.cpu_flags if f.startswith(("avx512", "amx")))},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "load_before": [round(x, 2) for x in load_before],
         "load_after": [round(x, 2) for x in os.getloadavg()], "seconds": round(time.perf_counter() - t0, 1), "changes": results,

@@ -30,7 +30,7 @@ from ..core.errors import ModelSourceError, closest
 from .llama_tools import CONVERT_HINT, converter_dir, converter_script
 from .models import cache_dir, local_files, read_config
 
-__all__ = ["OUTTYPES", "architecture", "content_digest", "conversion_problem", "folder_to_gguf", "supported_architectures"]
+__all__ = ["OUTTYPES", "architecture", "content_digest", "conversion_problem", "converted_path", "folder_to_gguf", "supported_architectures"]
 
 # The converter's own output types that fractal_opt asks for: exact float32, the two 16-bit
 # floats, and Q8_0 (written directly; every other weight type comes from llama-quantize, .ladder).
