@@ -42,7 +42,7 @@ def describe_passes() -> list[dict[str, Any]]:
 def _capabilities(caps: Any) -> dict[str, Any]:
     """What a runtime's capabilities table says, as plain data (the registry's, fractal_opt.runtimes)."""
     return {"summary": caps.summary, "weights": caps.weights, "refuses": caps.refused_fields(), "whole_device": caps.whole_device,
-            "batch_invariant": caps.batch_invariant, "default_threads": caps.default_threads, "idle": dataclasses.asdict(caps.idle),
+            "batch_invariant": caps.batch_invariant, "token_prompts": caps.token_prompts, "default_threads": caps.default_threads, "idle": dataclasses.asdict(caps.idle),
             "telemetry": list(caps.telemetry), "export_targets": list(caps.export_targets), "options": sorted(caps.options)}
 
 

@@ -83,6 +83,10 @@ class Capabilities:
         whole_device: ``accelerator``: a server reserves most of a GPU at start, so two plans
             cannot be measured side by side there; ``never``: it takes what it needs.
         batch_invariant: a request's greedy tokens do not depend on what it is batched with.
+        token_prompts: it takes each prompt as the token ids fractal_opt renders once from the
+            model's template (:mod:`fractal_opt.weights.prompts`), so every runtime receives the
+            same prompt; False: it formats prompts its own way, and a plan that names a chat
+            template (``application.chat_template``) is refused on it.
         default_threads: the :class:`~fractal_opt.core.machine.Machine` attribute counting the
             threads an instance runs when the plan sets none; None: the runtime picks its own
             count when it starts (the threads pass then cannot tell a no-op).
@@ -104,6 +108,7 @@ class Capabilities:
     available: str | Callable[[Any], str | None] | None = None
     whole_device: Literal["never", "accelerator"] = "never"
     batch_invariant: bool = False
+    token_prompts: bool = False
     default_threads: str | None = None
     idle: Idle = field(default_factory=Idle)
     telemetry: tuple[str, ...] = ()

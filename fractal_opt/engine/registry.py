@@ -99,6 +99,9 @@ class Runtimes:
 
     def refuse(self, plan: Plan) -> str | None:
         """Why the runtime the plan names cannot honour it, or None (the runner skips such a step)."""
+        if plan.application.chat_template is not None and not self.of(plan).token_prompts:
+            return (f"application.chat_template: the {plan.hardware.runtime} runtime formats prompts its own way (its capabilities say "
+                    "token_prompts: false), so it cannot take the prompt fractal_opt renders from the recipe's template")
         return self.engine_class(plan.hardware.runtime).refuse(plan)
 
     def takes_whole_device(self, plan: Plan) -> bool:

@@ -81,3 +81,13 @@ def test_build_and_refuse_go_to_the_engine_the_table_names():
     plan = Plan(source="m").replace_section("hardware", runtime="mine")
     assert isinstance(mine.build(plan), FakeEngine)
     assert mine.refuse(plan) is None and mine.refuse(plan.replace_section("hardware", threads=3)) == "never"
+
+
+def test_a_runtime_that_formats_prompts_itself_refuses_a_recipes_template():
+    """Only a runtime whose table says token_prompts takes a plan with a recipe's chat template;
+    the built-in runtimes all take the rendered ids."""
+    mine = Runtimes(Capabilities(name="own", summary="own", engine=FakeEngine), Capabilities(name="ids", summary="ids", engine=FakeEngine, token_prompts=True))
+    templated = Plan(source="m").replace_section("application", chat_template="none")
+    assert "token_prompts: false" in (mine.refuse(templated.replace_section("hardware", runtime="own")) or "")
+    assert mine.refuse(templated.replace_section("hardware", runtime="ids")) is None
+    assert all(RUNTIMES.get(name).token_prompts for name in ("transformers", "llama_cpp", "vllm"))

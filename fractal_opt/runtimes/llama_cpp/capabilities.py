@@ -16,6 +16,7 @@ CAPABILITIES = Capabilities(
     packages=("xllamacpp",),
     # Continuous batching over slots: a request's logits depend on the batch it is decoded in.
     batch_invariant=False,
+    token_prompts=True,  # every prompt arrives as the token ids fractal_opt rendered (weights/prompts.py)
     # llama.cpp counts the physical cores itself when the plan sets no count (settings.server_settings
     # states the same count); the threads pass's "already runs N threads" check does not assume it.
     default_threads=None,

@@ -39,6 +39,7 @@ CAPABILITIES = Capabilities(
     # Padded static batches and continuous batching change the shapes of the float reductions, so
     # a request's greedy tokens can differ with what it is batched with (the path_agreement guard).
     batch_invariant=False,
+    token_prompts=True,  # every prompt arrives as the token ids fractal_opt rendered (weights/prompts.py)
     default_threads="torch_threads",  # torch's intra-op pool, as this process started it
     idle=Idle(threads="torch's intra-op pool, shared by every model in this process", children="none",
               memory="the weights of each cached model (the cache holds the plans being compared)",

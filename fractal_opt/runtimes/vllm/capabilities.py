@@ -35,6 +35,7 @@ CAPABILITIES = Capabilities(
     # two servers cannot share one GPU; on the CPU it allocates a fixed KV space instead.
     whole_device="accelerator",
     batch_invariant=False,  # continuous batching: a request's kernels depend on the batch it joins
+    token_prompts=True,  # every prompt arrives as the token ids fractal_opt rendered (weights/prompts.py)
     idle=Idle(threads="none in this process (an HTTP client per call)", children="a `vllm serve` process per cached plan (at most two)",
               memory="each server's weights and its KV-cache reservation, until it is stopped",
               pause="each `vllm serve` child's process group (server, engine core, workers) is stopped (SIGSTOP, SIGCONT after) during other engines' rounds",
