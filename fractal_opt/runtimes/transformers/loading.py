@@ -39,16 +39,7 @@ def load(plan: Plan, *, progress: Callable[[str], None] = print) -> tuple[Any, A
     path = models.materialize(source, progress=progress)
     hw, mp = plan.hardware, plan.model
     device = resolve_device(hw.device)
-    kwargs: dict[str, Any] = {"dtype": getattr(torch, hw.dtype), "attn_implementation": hw.attention}
-    if mp.trust_remote_code:  # the recipe's model: allows the folder's own Python code (weights/checks.py refuses it otherwise)
-        progress(f"trust_remote_code: running the Python code in {path} (the recipe's model: allows it)")
-        kwargs["trust_remote_code"] = True
-    if hw.device_map is not None:
-        kwargs["device_map"] = hw.device_map
-        if hw.max_memory:
-            kwargs["max_memory"] = _max_memory(hw.max_memory)
-        if hw.offload_folder is not None:
-            kwargs["offload_folder"] = hw.offload_folder
+    kwargs = _load_kwargs(plan, torch, path, progress)
     record: dict[str, Any] | None = None
     if mp.weight_bits is not None:
         record = {"backend": mp.quant_backend, "method": mp.quant_method, "bits": mp.weight_bits, "group_size": mp.quant_group_size, "skip": list(mp.quant_skip)}
@@ -93,6 +84,22 @@ def load(plan: Plan, *, progress: Callable[[str], None] = print) -> tuple[Any, A
     if hw.prepack:
         _prepack(model, hw.prepack)
     return model, tokenizer
+
+
+def _load_kwargs(plan: Plan, torch: Any, path: str, progress: Callable[[str], None]) -> dict[str, Any]:
+    """``from_pretrained`` arguments for the plan's dtype, attention, placement and trust."""
+    hw = plan.hardware
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, hw.dtype), "attn_implementation": hw.attention}
+    if plan.model.trust_remote_code:  # the recipe's model: allows the folder's own Python code (weights/checks.py refuses it otherwise)
+        progress(f"trust_remote_code: running the Python code in {path} (the recipe's model: allows it)")
+        kwargs["trust_remote_code"] = True
+    if hw.device_map is not None:
+        kwargs["device_map"] = hw.device_map
+        if hw.max_memory:
+            kwargs["max_memory"] = _max_memory(hw.max_memory)
+        if hw.offload_folder is not None:
+            kwargs["offload_folder"] = hw.offload_folder
+    return kwargs
 
 
 def _prepack(model: Any, names: tuple[str, ...]) -> None:
