@@ -36,7 +36,8 @@ def check_file(path: str) -> dict[str, Any]:
         report["problems"] = problems_of(e)
         return report
     report.update(valid=True, imports=recipe.code(), model=recipe.model, suite=recipe.workload.suite, requests=len(recipe.workload.requests()),
-                  passes=[{"layer": p.layer.section, "pass": p.describe()} for p in recipe.passes])
+                  passes=[{"layer": p.layer.section, "pass": p.describe()} for p in recipe.passes],
+                  trust_remote_code=recipe.base_plan().model.trust_remote_code)
     return report
 
 
@@ -74,6 +75,8 @@ def check(args: argparse.Namespace) -> int:
                 print(f"  - {problem}", file=sys.stderr)
         if r["imports"]:
             print(f"  this recipe imports and runs: {', '.join(r['imports'])}" + ("" if r["valid"] else " (refused without quality.allow_code: true)"))
+        if r.get("trust_remote_code"):
+            print(f"  this recipe runs the model folder's own Python code ({r['model']}: trust_remote_code: true); read that code first")
     if len(reports) > 1:
         bad = sum(not r["valid"] for r in reports)
         print(f"{len(reports)} files: {len(reports) - bad} valid, {bad} invalid.", file=sys.stderr if bad else sys.stdout)

@@ -130,3 +130,21 @@ def test_check_exits_2_on_each_hostile_folder_naming_the_file(tmp_path, tiny_dir
     for name, folder in cases.items():
         code, out = _check(tmp_path, folder)
         assert code == 2 and "Traceback" not in out and expected[name] in out and str(folder) in out, (name, code, out[-600:])
+
+
+def test_a_recipe_that_trusts_the_folders_code_passes_and_is_said_loudly(tmp_path, tiny_dir):
+    """With model: {trust_remote_code: true} the auto_map folder is valid, and check says the recipe runs its code."""
+    from contextlib import redirect_stdout
+
+    from fractal_opt.cli import main
+
+    folder = tmp_path / "remote"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "modeling.M"}}))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: {{source: {folder}, trust_remote_code: true}}\nworkload: {{suite: default, limit: 1, max_new_tokens: 4}}\n")
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = main(["check", str(recipe)])
+    assert code == 0 and "runs the model folder's own Python code" in out.getvalue()
