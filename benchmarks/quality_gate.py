@@ -183,7 +183,7 @@ def main() -> int:
         results.append(r)
         say(f"{ {True: 'harmful', False: 'harmless', None: 'measured'}[r['harmful']] } | {name}: {'KEPT' if r['kept'] else 'rolled back'} "
             f"(kl {r['kl_mean']}, agreement {r['agreement']}, eval lost {r['eval_lost']} gained {r['eval_gained']}, {r['seconds']} s) "
-            f"README: {(r['readme_answer'] or 'eval not scored: already rolled back')[:50]!r}")
+            f"README: {('eval not scored: already rolled back' if r['readme_answer'] is None else r['readme_answer'])[:50]!r}")
     harmful = [r for r in results if r["harmful"]]
     harmless = [r for r in results if r["harmful"] is False]
     summary = {

@@ -17,7 +17,8 @@ A guard is ``metric: {min | max | max_regression | max_drop: number, accept_unkn
   prompts is a coarse statistic (harmless changes scored 0.61 and up on the default suite,
   docs/quality.md), so an agreement under its floor says the answers changed more than harmless
   changes make them, not that they are wrong; where the paired eval was scored, it decides between
-  "reworded" and "wrong" (the accuracy guard), and the agreement is a note. Without an eval it trips.
+  "reworded" (no more questions lost than gained: the agreement is a note) and "wrong" (a net loss,
+  however small: the agreement guard trips, saying so). Without an eval it trips.
 
 **Only exact values are judged.** A quality number that could not be measured on the step's
 runtime (``None``), or a KL that is only a lower bound (a runtime that gives its top-k rows only:
@@ -60,6 +61,7 @@ QUALITY_METRICS: dict[str, bool] = {  # metric -> True when higher is better
     "similarity": True,
     "accuracy": True,
     "eval_lost": False,
+    "eval_required_lost": False,
     "path_agreement": True,
 }
 # Read from the engine's census, not a clock: the bytes the plan's weights hold. Guarded because
@@ -138,15 +140,32 @@ class Guard:
         trips, notes = self._absolute(value, ev)
         trips += self._drop(value, ev) + self._regression(ev)
         if trips and self.judged_by and finite(ev.after.get(self.judged_by)):
-            return Finding(notes=[*notes, *(f"{t}, {self._deferred(ev)}" for t in trips)], in_force=True)
+            if self._judge_holds(ev):
+                return Finding(notes=[*notes, *(f"{t}, {self._deferred(ev)}" for t in trips)], in_force=True)
+            return Finding(trips=[f"{t}, {self._deferred(ev, holds=False)}" for t in trips], notes=notes, in_force=True)
         return Finding(trips=trips, notes=notes, in_force=True)
 
-    def _deferred(self, ev: Evidence) -> str:
-        """Why a trip of this guard is a note: the metric it defers to was measured and decides."""
+    def _judge_holds(self, ev: Evidence) -> bool:
+        """The deciding metric is no worse than the baseline's: for the eval, no more questions lost
+        than gained. Under this guard's floor the answers changed more than harmless changes make
+        them, so any net loss counts as wrong, however few questions changed."""
+        assert self.judged_by is not None
+        higher = ALL_METRICS.get(self.judged_by, True)
+        after, base = ev.after.get(self.judged_by), ev.baseline.get(self.judged_by)
+        if not finite(base):
+            return True
+        return after >= base if higher else after <= base
+
+    def _deferred(self, ev: Evidence, *, holds: bool = True) -> str:
+        """Why a trip of this guard is a note (the metric it defers to held: reworded), or stands (it got worse: wrong)."""
         a = ev.after
         paired = f" (lost {a.get('eval_lost')}, gained {a.get('eval_gained')} of {a.get('eval_total')} questions)" if "eval_lost" in a else ""
-        return (f"more than harmless changes move it on this workload: the answers are reworded, and {self.judged_by} "
-                f"{fmt(a.get(self.judged_by))}{paired} decides whether they are wrong")
+        base = fmt(ev.baseline.get(self.judged_by))
+        if holds:
+            return (f"more than harmless changes move it on this workload, and {self.judged_by} {fmt(a.get(self.judged_by))}{paired} is no worse "
+                    f"than the baseline's {base}: the answers are reworded, not wrong")
+        return (f"more than harmless changes move it on this workload, and {self.judged_by} {fmt(a.get(self.judged_by))}{paired} is below "
+                f"the baseline's {base}: the answers are wrong, not reworded")
 
     def unknown(self, after: dict[str, Any]) -> str | None:
         """Why this guard's quality number is not an exact value, or None when it is."""
@@ -170,7 +189,8 @@ class Guard:
             if self.metric in METRICS and prev is not None and finite(prev) and broken(prev, limit) and not broken(value, prev):
                 notes.append(f"guard {self.metric} {bound} {limit:g} not met before or after ({fmt(prev)} -> {fmt(value)}): not a regression, not tripped")
                 continue
-            trips.append(f"guard {self.metric} {bound} {limit:g} tripped: {fmt(value)}")
+            which = f" ({', '.join(ev.after.get('eval_required_lost_ids') or [])} answered wrong, the baseline right)" if self.metric == "eval_required_lost" else ""
+            trips.append(f"guard {self.metric} {bound} {limit:g} tripped: {fmt(value)}{which}")
         return trips, notes
 
     def _drop(self, value: float, ev: Evidence) -> list[str]:

@@ -79,7 +79,10 @@ DETERMINISM = ("off", "required")  # policy.determinism: the values it takes
 OPTIONS = ("accept_unknown", "judged_by")  # a guard's keys besides its limits
 # Below 0.5 the eval decides, where one was scored (judged_by: guards.py): agreement says the answers
 # changed, the paired eval whether they are wrong.
-DEFAULT_GUARDS = {"kl_mean": {"max": 0.05}, "agreement": {"min": 0.5, "judged_by": "accuracy"}, "accuracy": {"max_drop": 0.0}}
+# eval_required_lost: questions an eval set marks required (the README's example) that the baseline
+# answered right and the step does not; any one rolls the step back.
+DEFAULT_GUARDS = {"kl_mean": {"max": 0.05}, "agreement": {"min": 0.5, "judged_by": "accuracy"}, "accuracy": {"max_drop": 0.0},
+                  "eval_required_lost": {"max": 0}}
 # What a scheduling pass may cost the people waiting (DESIGN.md: throughput is the objective, TTFT /
 # ITL percentiles the guards), relative to the previous plan. On the project's 2-core CPU, static
 # and continuous batching at 8 in flight raised ITL p90 by 74-133% over one-by-one serving while

@@ -8,6 +8,11 @@ An eval set is YAML (``name``, ``items``) or JSONL (one item per line). Each ite
 - ``regex``: the answer is a regular expression searched in the output;
 - ``choice``: the first letter/word of the output equals the answer (multiple choice, case-insensitive).
 
+An item may say ``required: true``: a question that must stay right (the README's example in the
+packaged sets). A plan that loses one the baseline got right is rolled back whatever the sign test
+says (the default guard ``eval_required_lost: {max: 0}``): a lost README answer is a defect a user
+sees, however few other questions changed.
+
 The packaged set ``basics`` (45 short factual, instruction and reading questions, the README's
 example first) is the default for a model with a chat template (``quality.eval: auto``; the
 embedded model's float32 baseline answers 35 of 45, benchmarks/quality_gate.py prints it), and
@@ -52,6 +57,7 @@ class EvalItem:
     request: Request
     answer: str
     match: str
+    required: bool = False  # a question that must stay right: a plan that loses it is rolled back whatever the sign test says
 
 
 def packaged_eval_sets() -> list[str]:
@@ -90,8 +96,11 @@ def _item(item: Any, i: int, *, where: str) -> EvalItem:
             re.compile(str(item["answer"]))
         except re.error as e:
             raise RecipeError(f"{where}: item {i}: answer {item['answer']!r} is not a valid regex: {e}.") from None
+    required = item.get("required", False)
+    if not isinstance(required, bool):
+        raise RecipeError(f"{where}: item {i}: 'required' must be true or false, got {required!r}.")
     request = Request.from_data({k: v for k, v in item.items() if k in ("id", "prompt", "messages")} | {"id": item.get("id", f"eval-{i + 1}")}, index=i, where=where)
-    return EvalItem(request=request, answer=str(item["answer"]), match=match)
+    return EvalItem(request=request, answer=str(item["answer"]), match=match, required=required)
 
 
 def matches(output: str, answer: str, match: str) -> bool:
@@ -184,6 +193,8 @@ def score_answers(items: list[EvalItem], gens: Sequence[Generation], *, baseline
         gained = sum(1 for b, ok in zip(baseline, passed, strict=True) if ok and not b["passed"])
         changed = sum(1 for b, g in zip(baseline, gens, strict=True) if b["answer"].strip() != g.text.strip())
         out.update(eval_lost=lost, eval_gained=gained, eval_changed=changed, eval_worse_p=sign_test_worse(lost, gained))
+        lost_required = [item.request.id for item, b, ok in zip(items, baseline, passed, strict=True) if item.required and b["passed"] and not ok]
+        out.update(eval_required_lost=len(lost_required), eval_required_lost_ids=lost_required)
     return out
 
 

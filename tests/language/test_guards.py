@@ -77,7 +77,8 @@ def test_accuracy_drop_without_significance_counts_when_large():
 
 def test_agreement_under_its_floor_defers_to_a_scored_eval():
     """The default agreement guard (min 0.5, judged_by accuracy) trips without an eval; with the
-    paired eval scored, the low agreement is a note naming the eval's counts, and the eval decides."""
+    paired eval scored, the eval decides: no net loss against the baseline makes the low agreement a
+    note (reworded), a net loss however small keeps it a trip (wrong), each naming the counts."""
     from fractal_opt.language.policy import Policy
     from fractal_opt.tower.passes import Layer
 
@@ -85,9 +86,13 @@ def test_agreement_under_its_floor_defers_to_a_scored_eval():
     assert (agreement.min, agreement.judged_by) == (0.5, "accuracy")
     alone = agreement.check(Evidence(after={"agreement": 0.37}))
     assert alone.trips == ["guard agreement min 0.5 tripped: 0.37"]
-    with_eval = agreement.check(Evidence(after={"agreement": 0.37, "accuracy": 0.78, "eval_lost": 0, "eval_gained": 1, "eval_total": 45}))
+    with_eval = agreement.check(Evidence(after={"agreement": 0.37, "accuracy": 0.78, "eval_lost": 0, "eval_gained": 1, "eval_total": 45},
+                                         baseline={"accuracy": 0.7556}))
     assert with_eval.trips == [] and with_eval.in_force
-    assert "reworded" in with_eval.notes[0] and "lost 0, gained 1 of 45" in with_eval.notes[0]
+    assert "reworded, not wrong" in with_eval.notes[0] and "lost 0, gained 1 of 45" in with_eval.notes[0]
+    net_loss = agreement.check(Evidence(after={"agreement": 0.27, "accuracy": 0.7556, "eval_lost": 4, "eval_gained": 3, "eval_total": 45},
+                                        baseline={"accuracy": 0.7778}))
+    assert "wrong, not reworded" in net_loss.trips[0] and "lost 4, gained 3 of 45" in net_loss.trips[0]
     assert agreement.check(Evidence(after={"agreement": 0.9, "accuracy": 0.78})).notes == []
 
 

@@ -246,3 +246,28 @@ def test_accuracy_guard_trips_only_beyond_noise():
     tripped, kept = judge(5, 0.0312), judge(2, 0.25)
     assert not tripped.kept and "guard accuracy max_drop 0 tripped: 0.75 at baseline -> 0.625 (lost 5, gained 0 of 40 questions; sign test p=0.0312 < 0.1)" in tripped.reason
     assert kept.kept and "accuracy max_drop 0" in kept.guards
+
+
+def test_a_required_question_lost_rolls_a_step_back_whatever_the_sign_test_says():
+    """An item marked required that the baseline answered right and the step does not is counted
+    (eval_required_lost, naming it) and trips the default guard, though one lost of many is noise."""
+    from fractal_opt.engine.protocol import Generation
+    from fractal_opt.language.guards import Evidence
+    from fractal_opt.language.policy import Policy
+    from fractal_opt.quality.evals import score_answers
+    from fractal_opt.tower.passes import Layer
+
+    items = load_eval_set("basics")[:5]
+    assert items[0].request.id == "readme-france" and items[0].required and not items[1].required
+
+    def gens(texts):
+        return [Generation(request_id=i.request.id, text=t, token_ids=[], prompt_tokens=0, t_submit=0.0, t_prefill_start=0.0, token_times=[]) for i, t in zip(items, texts)]
+
+    right = [i.answer for i in items]
+    base = score_answers(items, gens(right))
+    lost_readme = score_answers(items, gens(["L'Étoile", *right[1:]]), baseline=base["eval_items"])
+    assert lost_readme["eval_required_lost"] == 1 and lost_readme["eval_required_lost_ids"] == ["readme-france"] and lost_readme["eval_worse_p"] == 0.5
+    [guard] = [g for g in Policy().guards_for(Layer.MODEL) if g.metric == "eval_required_lost"]
+    assert "readme-france answered wrong" in guard.check(Evidence(after=lost_readme)).trips[0]
+    other = score_answers(items, gens([right[0], "no", *right[2:]]), baseline=base["eval_items"])
+    assert other["eval_required_lost"] == 0 and not guard.check(Evidence(after=other)).trips
