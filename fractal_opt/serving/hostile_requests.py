@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Hostile", "Outcome", "check", "corpus", "normal_request", "problem", "send"]
+__all__ = ["Hostile", "Outcome", "answer_complete", "check", "corpus", "normal_request", "outcome_of", "problem", "send"]
 
 PATH = "/v1/chat/completions"
 USER = {"role": "user", "content": "hi"}
@@ -265,7 +265,7 @@ def send(host: str, port: int, raw: bytes, *, timeout_s: float = 10.0) -> Outcom
             pass
         start = time.monotonic()
         data = b""
-        while not _complete(data):
+        while not answer_complete(data):
             s.settimeout(max(0.01, timeout_s - (time.monotonic() - start)))
             try:
                 chunk = s.recv(1 << 16)
@@ -277,10 +277,10 @@ def send(host: str, port: int, raw: bytes, *, timeout_s: float = 10.0) -> Outcom
                 break
             data += chunk
         seconds = time.monotonic() - start
-    return _outcome(data, seconds)
+    return outcome_of(data, seconds)
 
 
-def _complete(data: bytes) -> bool:
+def answer_complete(data: bytes) -> bool:
     """True once ``data`` holds a whole response with a Content-Length (streams end at close)."""
     head, sep, body = data.partition(b"\r\n\r\n")
     if not sep:
@@ -292,7 +292,8 @@ def _complete(data: bytes) -> bool:
     return False
 
 
-def _outcome(data: bytes, seconds: float) -> Outcome:
+def outcome_of(data: bytes, seconds: float) -> Outcome:
+    """The :class:`Outcome` of the bytes a server sent back (its first answer) in ``seconds``."""
     if not data.startswith(b"HTTP/"):
         return Outcome(CLOSED, seconds, data)
     head, _, body = data.partition(b"\r\n\r\n")

@@ -152,6 +152,15 @@ def _lifespan(svc: _Service, on_fatal: Callable[[str], None] | None) -> Any:
     return lifespan
 
 
+def _context_tokens(engine: Any) -> int | None:
+    """The tokens one request may hold (prompt and answer), or None when the engine does not say (or cannot now)."""
+    try:
+        limit = engine.context_limit()
+    except EngineError:
+        return None
+    return limit.tokens if limit is not None else None
+
+
 def _warm_up(engine: Any) -> None:
     """Ask the engine once what bounding a request asks of it (its context limit, a prompt's count),
     so what that loads (llama.cpp's tokenizer read from the GGUF) is loaded at start-up."""
@@ -198,8 +207,10 @@ def _info_routes(app: Any, svc: _Service) -> None:
         elif reason is not None and status == "ok":
             status = "unavailable"
         plan = svc.plan
+        limit = await asyncio.to_thread(_context_tokens, svc.engine) if status == "ok" else None
         body = {"status": status, "reason": reason, "model": svc.model_name, "runtime": plan.hardware.runtime, "batching": plan.scheduling.batching,
-                "queued": svc.server.queued(), "live": svc.server.live(), "max_queue": svc.server.max_queue, "in_flight_limit": svc.server.in_flight}
+                "queued": svc.server.queued(), "live": svc.server.live(), "max_queue": svc.server.max_queue, "in_flight_limit": svc.server.in_flight,
+                "context_tokens": limit}
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
