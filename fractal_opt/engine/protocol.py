@@ -151,12 +151,16 @@ class Engine(abc.ABC):
         answered without tokenizing it, with a floor above ``limit``
         (:class:`fractal_opt.serving.prompting.AtLeast`).
 
-        Default: None (this engine cannot count; the runtime then refuses an oversized prompt itself).
+        Default: the length of :meth:`prompt_ids`, or None where the engine renders no prompts (the
+        runtime then refuses an oversized prompt itself).
 
         Raises:
             BadRequest: the model's chat template refuses the messages (``param`` "messages").
         """
-        return None
+        try:
+            return len(self.prompt_ids(request))
+        except NotImplementedError:
+            return None
 
     def budget(self, max_new_tokens: int | None) -> int:
         """Tokens a request may generate: the caller's (or default) budget, capped by the plan."""

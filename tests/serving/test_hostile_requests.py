@@ -63,9 +63,9 @@ def _prompt_of(engine: Any, tokens: int) -> str:
     pytest.fail(f"no prompt of exactly {tokens} tokens found")
 
 
-def _holds(engine: Any, *, reports_prompt: bool) -> None:
-    """The whole corpus against ``engine``'s app, then the three exact rules (``reports_prompt``:
-    the runtime's usage counts the prompt as count_prompt does; the llama-server stand-in says 7)."""
+def _holds(engine: Any) -> None:
+    """The whole corpus against ``engine``'s app, then the three exact rules; a prompt two tokens
+    under the context is served, and its usage is the count the bounds used."""
     limit = engine.context_limit()
     with served_app(engine, limits=LIMITS) as (host, port, _):
         assert hostile.check(host, port, hostile.corpus(context=limit.tokens, body_limit=LIMITS.max_body_bytes), waits=WAITS) == []
@@ -75,7 +75,7 @@ def _holds(engine: Any, *, reports_prompt: bool) -> None:
         assert f"{limit.tokens + 1:,} tokens" in error["message"] and f"{limit.tokens:,} tokens" in error["message"]
         fits = hostile.send(host, port, hostile.chat(messages=[{"role": "user", "content": _prompt_of(engine, limit.tokens - 2)}], max_tokens=2))
         assert fits.status == 200, fits
-        assert json.loads(fits.body)["usage"]["prompt_tokens"] == limit.tokens - 2 or not reports_prompt
+        assert json.loads(fits.body)["usage"]["prompt_tokens"] == limit.tokens - 2
         t = time.monotonic()
         huge = hostile.send(host, port, hostile.chat(max_tokens=10**12))
         assert huge.status == 400 and huge.error()["param"] == "max_tokens" and time.monotonic() - t < 1
@@ -90,18 +90,20 @@ def test_serve_on_the_tiny_model_holds_against_the_corpus(tiny_dir):
 
     engine = Engine.build(Plan(source=str(tiny_dir)).replace_section("scheduling", timeout_s=5.0), progress=lambda m: None)
     assert engine.context_limit().tokens == 4096
-    _holds(engine, reports_prompt=True)
+    _holds(engine)
 
 
 @pytest.mark.integration
-def test_serve_on_a_llama_server_child_holds_against_the_corpus(tmp_path):
-    """The llama.cpp runtime with a llama-server child (the stand-in), counting prompts with the GGUF's tokenizer: the corpus and the exact rules hold."""
+def test_serve_on_a_llama_server_child_holds_against_the_corpus(tmp_path, monkeypatch):
+    """The llama.cpp runtime with a llama-server child (the stand-in, holding 4,096 tokens a slot as
+    the plan's llama.cpp would), counting prompts with the GGUF's tokenizer: the corpus and the exact rules hold."""
     from fractal_opt.core.errors import ModelSourceError
     from fractal_opt.runtimes.llama_cpp import engine as llama_engine
 
     exe = tmp_path / "llama-server"
     exe.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE_LLAMA} \"$@\"\n")
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("FAKE_LLAMA_CONTEXT", "4096")  # the stand-in's slot: what the plan's n_ctx gives one slot
     plan = Plan(source="smollm2-135m-instruct", hardware=HardwarePlan(runtime="llama_cpp", threads=1, runtime_path=str(exe)))
     llama_engine.clear_cache()
     try:
@@ -109,7 +111,7 @@ def test_serve_on_a_llama_server_child_holds_against_the_corpus(tmp_path):
     except ModelSourceError as e:
         pytest.skip(f"embedded model not installed: {e}")
     try:
-        assert engine.context_limit().tokens == engine.settings.context_per_request
-        _holds(engine, reports_prompt=False)
+        assert engine.context_limit().tokens == engine.settings.context_per_request == 4096
+        _holds(engine)
     finally:
         llama_engine.clear_cache()
