@@ -163,9 +163,13 @@ def _context_tokens(engine: Any) -> int | None:
 
 def _warm_up(engine: Any) -> None:
     """Ask the engine once what bounding a request asks of it (its context limit, a prompt's count),
-    so what that loads (llama.cpp's tokenizer read from the GGUF) is loaded at start-up."""
-    if engine.context_limit() is not None:
-        engine.count_prompt(as_request("hello"))
+    so what that loads (the model's tokenizer) is loaded at start-up; a failure is logged, and
+    requests meet it again (each answered with the error)."""
+    try:
+        if engine.context_limit() is not None:
+            engine.count_prompt(as_request("hello"))
+    except EngineError as e:
+        log.error("bounding requests will fail: %s", e)
 
 
 async def _watch_health(svc: _Service, on_fatal: Callable[[str], None] | None) -> None:
@@ -283,6 +287,9 @@ async def _submit(svc: _Service, parsed: Parsed, endpoint: str) -> Any:
             return error(503, f"the server is shutting down: {e}", kind="server_error", code="server_shutting_down")
         svc.metrics.refused(endpoint, "overloaded")
         return error(429, str(e), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    except EngineError as e:  # bounding it failed: the model's tokenizer, a model server that cannot answer
+        svc.metrics.refused(endpoint, "error")
+        return _failed(svc, "request", e)
 
 
 def _bounded_submit(svc: _Service, parsed: Parsed) -> Ticket:
@@ -334,11 +341,16 @@ def _ended_badly(svc: _Service, ticket: Any) -> Any:
                      kind="server_error", code="timeout", headers={"Retry-After": "1"})
     if ticket.status == "cancelled":
         return error(503, "the request was cancelled: the server is shutting down", kind="server_error", code="server_shutting_down")
-    log.error("request %s failed: %s", ticket.request.id, ticket.error)  # the whole error (a child's log tail) for the operator only
+    return _failed(svc, f"request {ticket.request.id}", ticket.error)
+
+
+def _failed(svc: _Service, what: str, cause: BaseException | None) -> Any:
+    """The error response for a request the engine failed: 503 while it cannot serve, else a short 500."""
+    log.error("%s failed: %s", what, cause)  # the whole error (a child's log tail) for the operator only
     if svc.unavailable is not None:
         return error(503, f"the model server cannot answer now ({svc.unavailable}); retry later", kind="server_error", code="engine_unavailable",
                      headers={"Retry-After": "2"})
-    first = str(ticket.error).split("\n", 1)[0]
+    first = str(cause).split("\n", 1)[0]
     return error(500, f"generation failed: {first[:200]}{'...' if len(first) > 200 else ''}", kind="server_error")
 
 

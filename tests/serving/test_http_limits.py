@@ -61,6 +61,12 @@ class EchoServer(Server):
 class EchoEngine(FakeEngine):
     health_reason: str | None = None
     fatal: str | None = None
+    count_fails: str | None = None  # count_prompt raises EngineError(this): a tokenizer that cannot load
+
+    def count_prompt(self, request, *, limit=None):
+        if self.count_fails is not None:
+            raise EngineError(self.count_fails)
+        return super().count_prompt(request, limit=limit)
 
     def server(self, *, seed: int = 0, ignore_eos: bool = False) -> Server:
         return EchoServer(self, seed=seed, ignore_eos=ignore_eos)
@@ -331,3 +337,15 @@ def test_a_prompt_over_the_context_and_max_tokens_of_10_to_the_12_are_refused_at
 def _request_bytes(body: Any) -> bytes:
     payload = json.dumps(body).encode()
     return f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload
+
+
+def test_a_prompt_the_engine_cannot_count_gets_a_short_engine_error(app):
+    """Counting the prompt failing (the model's tokenizer missing) is answered like a failed generation: a short 500, never a traceback."""
+    _, _, engine = app
+    engine.count_fails = "the model's tokenizer cannot be read\nTraceback: SECRET"
+    try:
+        status, body = _post(app, {"messages": MESSAGES})
+    finally:
+        engine.count_fails = None
+    assert status == 500 and body["error"]["message"] == "generation failed: the model's tokenizer cannot be read", body
+    _still_serving(app)
