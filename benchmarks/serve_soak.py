@@ -1,13 +1,21 @@
-"""Soak `fractal-opt serve`: many concurrent clients for minutes, a third of them hanging up at random.
+"""Soak `fractal-opt serve`: many concurrent clients for minutes, a third of them hanging up at random,
+some of them hostile.
 
 Starts ``fractal-opt serve RUN_DIR`` as a user would (a subprocess, the real CLI), then runs
 ``--clients`` clients for ``--duration-s``: each sends chat requests one after another, streamed or
 not (half each), and a ``--hangup`` share of them close the connection at a random moment
-(0-1 s after sending). A 429 (full queue) is retried after its Retry-After. Afterwards it checks:
+(0-1 s after sending). A 429 (full queue) is retried after its Retry-After. A ``--hostile`` share of
+the clients send requests of the hostile corpus instead (fractal_opt.serving.hostile_requests:
+answer lengths and seeds out of range, prompts far over the context, malformed JSON, huge heads
+and bodies, smuggling), one after another, each drawn at random. Afterwards it checks:
 
+- no hostile request got a 5xx or a status its case does not allow, and each refused one was
+  answered within 10 s (plus the body / header timeout it waits for, which serve gets as 5 s here;
+  the few that are valid HTTP queue like any request, or get 429 from a full queue);
 - every request ends exactly once: the server's own count (``fractal_opt_requests_total`` over
-  every status: done, cancelled, timeout, error, refused) equals the requests the clients sent,
-  and the server holds none (/health: nothing queued or live);
+  every status but the refusals of bad requests: done, cancelled, timeout, error, overloaded)
+  equals the normal requests the clients sent plus the hostile ones answered 200 (a few are valid
+  HTTP after all), and the server holds none (/health: nothing queued or live);
 - the server's memory (RSS of serve and its children) and open file descriptors level off: the
   last third of the run's samples peaks within 5% (+5 MB) and 10 descriptors of the middle third;
 - end-to-end latency p50 / p99 of the answered requests, and time to first token of the streamed ones.
@@ -40,7 +48,10 @@ from pathlib import Path
 
 import psutil
 
+from fractal_opt.serving import hostile_requests as hostile
+
 ROOT = Path(__file__).resolve().parents[1]
+HOSTILE_WAIT_S = 5.0  # serve's --body-timeout-s and --header-timeout-s in a soak with hostile clients
 PROMPTS = ["Name three colours of the rainbow.", "What is the capital of France?", "Write one sentence about the sea.",
            "Give me a synonym for happy.", "What is 12 times 12?", "Say hello in Spanish."]
 
@@ -54,6 +65,8 @@ class Record:
     first: float | None = None  # the first content chunk (streamed)
     status: int = 0  # HTTP status; 0 when the client hung up before the status line
     outcome: str = ""  # answered | hung_up | refused | error
+    case: hostile.Hostile | None = None  # a hostile client's request
+    problem: str | None = None  # what was wrong with a hostile request's answer
 
 
 def main() -> int:
@@ -62,19 +75,22 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=200)
     p.add_argument("--duration-s", type=float, default=300.0)
     p.add_argument("--hangup", type=float, default=1 / 3, help="share of clients that hang up at random (default a third)")
+    p.add_argument("--hostile", type=float, default=0.1, help="share of clients that send the hostile corpus instead (default a tenth)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     rng = random.Random(args.seed)
     port = _free_port()
     load_before = os.getloadavg()
+    waits = ["--body-timeout-s", str(HOSTILE_WAIT_S), "--header-timeout-s", str(HOSTILE_WAIT_S)] if args.hostile else []
     serve = subprocess.Popen([sys.executable, "-m", "fractal_opt", "serve", args.run, "--port", str(port), "--log-level", "warning",
-                              "--max-connections", str(4 * args.clients)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              "--max-connections", str(4 * args.clients), *waits], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        _wait_ready(base, serve)
+        health = _wait_ready(base, serve)
+        cases = hostile.corpus(context=health.get("context_tokens") or 4096)
         samples: list[tuple[float, float, int]] = []
-        records = asyncio.run(_soak(port, args, rng, serve.pid, samples))
+        records = asyncio.run(_soak(port, args, rng, serve.pid, samples, cases))
         drained = _drain(base)
         counted = _server_count(base)
     finally:
@@ -87,11 +103,13 @@ def main() -> int:
     return 0
 
 
-async def _soak(port: int, args: argparse.Namespace, rng: random.Random, pid: int, samples: list) -> list[Record]:
+async def _soak(port: int, args: argparse.Namespace, rng: random.Random, pid: int, samples: list, cases: list[hostile.Hostile]) -> list[Record]:
     records: list[Record] = []
     end = time.perf_counter() + args.duration_s
-    hangers = set(rng.sample(range(args.clients), round(args.clients * args.hangup)))
-    clients = [asyncio.create_task(_client(i, port, end, i in hangers, random.Random(args.seed * 1000 + i), args.max_tokens, records))
+    hostiles = set(rng.sample(range(args.clients), round(args.clients * args.hostile)))
+    hangers = set(rng.sample(sorted(set(range(args.clients)) - hostiles), round(args.clients * args.hangup)))
+    clients = [asyncio.create_task(_hostile_client(port, end, random.Random(args.seed * 1000 + i), cases, records) if i in hostiles else
+                                   _client(i, port, end, i in hangers, random.Random(args.seed * 1000 + i), args.max_tokens, records))
                for i in range(args.clients)]
     sampler = asyncio.create_task(_sample(pid, end, samples))
     await asyncio.gather(*clients)
@@ -110,6 +128,36 @@ async def _client(i: int, port: int, end: float, hangs: bool, rng: random.Random
         retry = await _request(port, body, record, hangup_s)
         if retry:
             await asyncio.sleep(retry)
+
+
+async def _hostile_client(port: int, end: float, rng: random.Random, cases: list[hostile.Hostile], records: list[Record]) -> None:
+    """Send hostile requests one after another, each a case drawn at random, and judge each answer."""
+    await asyncio.sleep(rng.uniform(0, 2.0))
+    while time.perf_counter() < end:
+        case = rng.choice(cases)
+        record = Record(stream=False, hangup=False, start=time.perf_counter(), case=case)
+        records.append(record)
+        limit_s = 10.0 + (HOSTILE_WAIT_S if case.waits_for else 0.0)
+        data, writer, sent = b"", None, time.perf_counter()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(case.raw)
+            await writer.drain()
+            sent = time.perf_counter()
+            wait_s = None if 200 in case.allowed else limit_s + 5  # valid HTTP after all: it waits in the queue like any request
+            while not hostile.answer_complete(data) and (chunk := await asyncio.wait_for(reader.read(65536), wait_s)):
+                data += chunk
+        except (OSError, asyncio.IncompleteReadError, TimeoutError):
+            pass  # a server that answered (or closed) before reading it all may reset; the answer so far is judged
+        finally:
+            record.end = time.perf_counter()
+            if writer is not None:
+                writer.close()
+        outcome = hostile.outcome_of(data, record.end - sent)
+        record.status, record.outcome = outcome.status, "hostile"
+        if 200 in case.allowed and outcome.status in (200, 429):
+            continue  # valid HTTP after all: queued (or turned away by a full queue) like any request, its time the queue's
+        record.problem = hostile.problem(case, outcome, limit_s=limit_s)
 
 
 async def _request(port: int, body: dict, record: Record, hangup_s: float | None) -> float:
@@ -178,14 +226,16 @@ def _get(url: str) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def _wait_ready(base: str, serve: subprocess.Popen) -> None:
+def _wait_ready(base: str, serve: subprocess.Popen) -> dict:
+    """/health once it answers 200 (its body: the context it reports, among others)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if serve.poll() is not None:
             raise SystemExit(f"serve exited {serve.returncode}: {serve.stderr.read()[-2000:]}")
         try:
-            if _get(base + "/health")[0] == 200:
-                return
+            status, body = _get(base + "/health")
+            if status == 200:
+                return json.loads(body)
         except OSError:
             pass
         time.sleep(0.5)
@@ -203,6 +253,7 @@ def _drain(base: str) -> dict:
 
 
 def _server_count(base: str) -> dict[str, float]:
+    """``fractal_opt_requests_total`` by status (a refused request by its reason: bad_request, overloaded, ...)."""
     text = _get(base + "/metrics")[1].decode()
     out: dict[str, float] = {}
     for status, value in re.findall(r'^fractal_opt_requests_total\{endpoint="[^"]*",status="([^"]*)"\} (\S+)$', text, re.M):
@@ -215,26 +266,45 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _report(args, records: list[Record], samples: list, drained: dict, counted: dict, before: tuple, after: tuple) -> None:
+    normal = [r for r in records if r.case is None]
+    hostiles = [r for r in records if r.case is not None]
     outcomes: dict[str, int] = {}
-    for r in records:
+    for r in normal:
         key = r.outcome if r.outcome != "refused" else f"refused {r.status}"
         outcomes[key] = outcomes.get(key, 0) + 1
-    answered = [r for r in records if r.outcome == "answered"]
+    answered = [r for r in normal if r.outcome == "answered"]
     e2e = [r.end - r.start for r in answered]
     ttft = [r.first - r.start for r in answered if r.stream and r.first is not None]
     third = max(1, len(samples) // 3)
     middle, last = samples[third : 2 * third] or samples, samples[2 * third :] or samples
     rss_mid, rss_last = max(s[1] for s in middle), max(s[1] for s in last)
     fd_mid, fd_last = max(s[2] for s in middle), max(s[2] for s in last)
-    total = sum(counted.values())
-    print(f"fractal-opt serve soak: {args.clients} clients ({round(args.clients * args.hangup)} hanging up at random), {args.duration_s:.0f} s, "
-          f"max_tokens {args.max_tokens}, half streamed; served {args.run}")
+    # Bad requests refused by the app are counted as bad_request, those refused by the HTTP layer (431, h11's 400) not at all:
+    # the exactly-once check is over the rest, which normal requests and hostile ones answered 200 make.
+    total = sum(v for k, v in counted.items() if k != "bad_request")
+    expected = len(normal) + sum(1 for r in hostiles if r.status == 200)
+    print(f"fractal-opt serve soak: {args.clients} clients ({round(args.clients * args.hostile)} hostile, "
+          f"{round(args.clients * args.hangup)} hanging up at random), {args.duration_s:.0f} s, max_tokens {args.max_tokens}, half streamed; served {args.run}")
     print(f"load average before {before[0]:.2f} {before[1]:.2f} {before[2]:.2f}, after {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}")
-    print(f"requests sent: {len(records)}; by outcome: {dict(sorted(outcomes.items()))}")
-    print(f"server's count: {total:.0f} ({dict(sorted(counted.items()))}); after the run: queued {drained['queued']}, live {drained['live']}")
-    print(f"every request ended exactly once: {'yes' if total == len(records) and drained['queued'] == drained['live'] == 0 else 'NO'}")
+    print(f"normal requests sent: {len(normal)}; by outcome: {dict(sorted(outcomes.items()))}")
+    print(f"server's count: {sum(counted.values()):.0f} ({dict(sorted(counted.items()))}); after the run: queued {drained['queued']}, live {drained['live']}")
+    print(f"every request ended exactly once: {'yes' if total == expected and drained['queued'] == drained['live'] == 0 else 'NO'} "
+          f"({total:.0f} counted but bad requests, {expected} expected)")
     print(f"answered: {len(answered)}; end-to-end p50 {_pct(e2e, 50):.3f} s, p99 {_pct(e2e, 99):.3f} s; "
           f"streamed TTFT p50 {_pct(ttft, 50):.3f} s, p99 {_pct(ttft, 99):.3f} s")
+    if hostiles:
+        statuses: dict[int, int] = {}
+        for r in hostiles:
+            statuses[r.status] = statuses.get(r.status, 0) + 1
+        problems = [r.problem for r in hostiles if r.problem]
+        refused = [r for r in hostiles if r.status != 200 and not r.case.waits_for] or hostiles
+        slowest = max(refused, key=lambda r: r.end - r.start)
+        print(f"hostile requests sent: {len(hostiles)} ({len({r.case.name for r in hostiles})} of the corpus's {len(hostile.corpus())} kinds); "
+              f"by status (0: closed without one): {dict(sorted(statuses.items()))}; the slowest refused at once took "
+              f"{slowest.end - slowest.start:.2f} s ({slowest.case.name})")
+        print(f"no 5xx, every hostile request answered as its case allows and in time: {'yes' if not problems else 'NO'}")
+        for text in sorted(set(problems))[:10]:
+            print(f"  {text}")
     print(f"RSS MB (serve + children) every 5 s: {[round(s[1]) for s in samples]}")
     print(f"open fds every 5 s: {[s[2] for s in samples]}")
     level = rss_last <= rss_mid * 1.05 + 5 and fd_last <= fd_mid + 10

@@ -354,6 +354,10 @@ class FakeEngine(Engine):
     def prepare(self, requests: Sequence[Request], workload: Workload) -> dict[str, float]:
         return dict(self.prepare_s)
 
+    def count_prompt(self, request: Request, *, limit: int | None = None) -> int:
+        """The prompt's tokens as :meth:`serve` counts them (one a byte of its joined messages)."""
+        return len(self.encode(" ".join(text for _, text in request.messages)))
+
     # ------------------------------------------------------------------ inspection
     def census(self) -> dict[str, Any]:
         return {"weight_bytes": self.weight_bytes, "quantized_linear_layers": 0}

@@ -8,9 +8,11 @@ timings steady. Tests that need another thread count set it through a plan and `
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +147,35 @@ def small_recipe_dict(model: str | Path, *, passes: dict[str, list] | None = Non
 def small_recipe():
     """Factory: ``small_recipe(model, passes=..., policy=..., **workload)`` -> a recipe dict."""
     return small_recipe_dict
+
+
+@contextlib.contextmanager
+def served_app(engine: Any, *, limits: Any = None, **app_kwargs: Any) -> Iterator[tuple[str, int, Any]]:
+    """``fractal-opt serve``'s app on ``engine``, under uvicorn in a thread of this process on a free
+    port, with serve's connection limits (``limits``: an HttpLimits, default serve's own); yields
+    ``(host, port, app)`` and stops the server after."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from fractal_opt.serving.http import create_app
+    from fractal_opt.serving.http_limits import HttpLimits
+    from fractal_opt.serving.http_protocol import uvicorn_options
+
+    limits = limits or HttpLimits()
+    app = create_app(engine, model_name="tiny", limits=limits, **app_kwargs)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **uvicorn_options(limits)))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    while not web.started and thread.is_alive():
+        time.sleep(0.01)
+    try:
+        yield "127.0.0.1", port, app
+    finally:
+        web.should_exit = True
+        thread.join(10)

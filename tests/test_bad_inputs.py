@@ -157,6 +157,9 @@ ARGUMENTS = [
     (["serve", "recipes/good.yaml", "--drain-s", "nan"], ["serve --drain-s", "nan", "finite"]),
     (["serve", "recipes/good.yaml", "--body-timeout-s", "inf"], ["serve --body-timeout-s", "inf", "finite number > 0"]),
     (["serve", "recipes/good.yaml", "--max-connections", "0"], ["serve --max-connections", "got 0"]),
+    (["serve", "recipes/good.yaml", "--timeout-s", "0"], ["serve --timeout-s", "got 0.0", "> 0"]),
+    (["serve", "recipes/good.yaml", "--seed", str(2**64)], ["serve --seed", str(2**64), "signed 64-bit"]),
+    (["serve", "recipes/good.yaml", "--max-tokens-over-cap", "lower"], ["invalid choice: 'lower'", "'cap'"]),
     (["run", "recipes/good.yaml", "--out", ""], ["run --out: got ''", "folder path"]),
 ]
 

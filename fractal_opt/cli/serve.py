@@ -38,8 +38,12 @@ def add(sub) -> None:
     limits.add_argument("--body-timeout-s", type=float, default=30.0, help="a request's body must arrive within this (default 30; then 408)")
     limits.add_argument("--keep-alive-s", type=float, default=5.0, help="an idle connection between requests is closed after this (default 5)")
     limits.add_argument("--max-connections", type=int, default=1024, help="open connections at once (default 1024; one more: 503)")
-    limits.add_argument("--max-tokens-over-cap", choices=("refuse", "honour"), default="refuse",
-                        help="a max_tokens above the plan's cap (its max_new_tokens pass): refuse with a 400 naming the cap (default), or honour it")
+    limits.add_argument("--max-tokens-over-cap", choices=("refuse", "honour", "cap"), default="refuse",
+                        help="a max_tokens above the plan's cap (its max_new_tokens pass): refuse with a 400 naming the cap (default), honour it, "
+                             "or cap it (lowered to the cap, and to the context the prompt leaves, instead of a 400; the answer ends with finish_reason length)")
+    limits.add_argument("--timeout-s", type=float, default=None,
+                        help="each request's deadline in seconds from its arrival, queueing and generation included; past it the answer ends with "
+                             "its tokens so far (default: the plan's, its queue pass's timeout_s; none when the plan sets none)")
     limits.add_argument("--ignore-eos", action="store_true",
                         help="run every answer to its max_tokens, past end-of-sequence (benchmarks with fixed output lengths); requests may send ignore_eos: true")
     p.set_defaults(func=serve)
@@ -52,6 +56,12 @@ def serve(args: argparse.Namespace) -> int:
         raise RecipeError(f"serve --port: got {args.port}, expected a port number in 1..65535.")
     if not math.isfinite(args.drain_s) or args.drain_s < 0:
         raise RecipeError(f"serve --drain-s: got {args.drain_s}, expected a finite number of seconds >= 0.")
+    if args.timeout_s is not None and (not math.isfinite(args.timeout_s) or args.timeout_s <= 0):
+        raise RecipeError(f"serve --timeout-s: got {args.timeout_s}, expected a finite number of seconds > 0.")
+    from ..serving.sampling import SEED_MAX, SEED_MIN
+
+    if args.seed is not None and not SEED_MIN <= args.seed <= SEED_MAX:
+        raise RecipeError(f"serve --seed: got {args.seed}, expected an integer in [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit integer).")
     limits = _limits(args)
     try:
         import fastapi  # noqa: F401
@@ -81,7 +91,7 @@ def serve(args: argparse.Namespace) -> int:
     fatal: list[str] = []
     try:
         app = create_app(engine, model_name=name, api_key=api_key, seed=seed, limits=limits, over_cap=args.max_tokens_over_cap,
-                         ignore_eos=args.ignore_eos, on_fatal=lambda why: (fatal.append(why), setattr(web, "should_exit", True)))
+                         ignore_eos=args.ignore_eos, timeout_s=args.timeout_s, on_fatal=lambda why: (fatal.append(why), setattr(web, "should_exit", True)))
         kept = ", ".join(plan.applied) or "nothing (the baseline)"
         print(f"fractal-opt: serving {name!r} on http://{args.host}:{args.port}/v1 ({plan.hardware.runtime}, {plan.scheduling.batching} batching; "
               f"kept: {kept}). Ctrl-C stops it.", file=sys.stderr, flush=True)

@@ -48,11 +48,13 @@ class BadRequest(RecipeError):
     """One request's field that the server cannot take: ``param`` names it (``messages[1].content``,
     ``temperature``), the message the value and what is allowed. The HTTP endpoint answers it with
     a 400 and OpenAI's error body; ``Server.submit`` raises it for a sampling value out of range or
-    one its scheduler cannot honour per request."""
+    one its scheduler cannot honour per request. ``code`` is OpenAI's machine-readable reason
+    where one applies (``context_length_exceeded``)."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, *, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class ModelSourceError(FractalOptError):

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..tower.plan import Plan
     from ..workloads.workload import Workload
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "Engine", "Generation", "as_request"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "ContextLimit", "Engine", "Generation", "as_request", "tightest"]
 
 DEFAULT_MAX_NEW_TOKENS = 256  # generate() budget when neither the plan nor the caller sets one
 
@@ -51,6 +51,32 @@ class Generation:
     @property
     def new_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ContextLimit:
+    """The tokens one request may hold, prompt and answer together, and what sets that number.
+
+    ``what`` names it for a user ("this deployment's context cap", "the model's context"), ``where``
+    says where the number comes from or is set ("the context_cap pass", "its max_position_embeddings").
+
+    Example:
+        >>> str(ContextLimit(4096, "the model's context", "its max_position_embeddings"))
+        "the model's context of 4,096 tokens (its max_position_embeddings)"
+    """
+
+    tokens: int
+    what: str
+    where: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.what} of {self.tokens:,} tokens" + (f" ({self.where})" if self.where else "")
+
+
+def tightest(*limits: ContextLimit | None) -> ContextLimit | None:
+    """The smallest of ``limits`` (None when none is known)."""
+    known = [limit for limit in limits if limit is not None]
+    return min(known, key=lambda limit: limit.tokens) if known else None
 
 
 class Engine(abc.ABC):
@@ -105,6 +131,36 @@ class Engine(abc.ABC):
     def generate(self, prompt: str | Sequence[dict[str, str]], *, max_new_tokens: int | None = None) -> str:
         """Answer one prompt (a user message, or a list of chat messages) and return the text."""
         return self.serve([as_request(prompt)], max_new_tokens=max_new_tokens)[0].text
+
+    def context_limit(self) -> ContextLimit | None:
+        """The tokens one request may hold, prompt and answer together: the tightest of the plan's
+        context cap and what the runtime knows of the model and its cache. None when nothing is
+        known (a request is then bounded by its token budget alone).
+
+        Default: the plan's ``model.context_cap``; a runtime adds the model's own context."""
+        cap = self.plan.model.context_cap
+        return ContextLimit(cap, "this deployment's context cap", "the context_cap pass") if cap else None
+
+    def count_prompt(self, request: Request, *, limit: int | None = None) -> int | None:
+        """The prompt tokens of ``request`` as the model will read them: its messages rendered as
+        this engine renders them (the chat template included) and trimmed by the plan's prompt
+        budget, if it has one. The one place serving counts a prompt (``fractal-opt serve``
+        refuses a prompt over :meth:`context_limit` with it, before any compute).
+
+        ``limit``: a prompt certain to hold more tokens than this from its size alone may be
+        answered without tokenizing it, with a floor above ``limit``
+        (:class:`fractal_opt.serving.prompting.AtLeast`).
+
+        Default: the length of :meth:`prompt_ids`, or None where the engine renders no prompts (the
+        runtime then refuses an oversized prompt itself).
+
+        Raises:
+            BadRequest: the model's chat template refuses the messages (``param`` "messages").
+        """
+        try:
+            return len(self.prompt_ids(request))
+        except NotImplementedError:
+            return None
 
     def budget(self, max_new_tokens: int | None) -> int:
         """Tokens a request may generate: the caller's (or default) budget, capped by the plan."""

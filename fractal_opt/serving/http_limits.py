@@ -5,8 +5,11 @@ over ``max_body_bytes`` is refused before a byte is read, a chunked body as soon
 it: 413), its arrival time (a body slower than ``body_timeout_s``, or shorter than its
 Content-Length, is answered 408 instead of holding the connection forever), and, once parsed, its
 nesting (deeper than :data:`MAX_JSON_DEPTH`: 400). Starlette reads a body whole, with none of
-these, hence this module. The connection-level limits (header timeout, keep-alive, open
-connections) are uvicorn's and :mod:`.http_protocol`'s.
+these, hence this module. A request framed two ways at once (a Content-Length next to a
+Transfer-Encoding: the shape of request smuggling through a proxy that reads the other one) is
+refused with a 400 and its connection closed (:class:`OneFraming`), as RFC 9112 (section 6.1)
+allows a server to. The connection-level limits (header timeout, keep-alive, open connections,
+head size) are uvicorn's and :mod:`.http_protocol`'s.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_JSON_DEPTH", "BodyError", "HttpLimits", "read_json"]
+__all__ = ["MAX_JSON_DEPTH", "BodyError", "HttpLimits", "OneFraming", "read_json"]
 
 # An OpenAI request nests 5 levels (body -> messages -> message -> content parts -> part); 32 is
 # far above any client and far below what json's C decoder refuses with a RecursionError.
@@ -57,6 +60,27 @@ class BodyError(Exception):
     def __init__(self, status: int, message: str, *, param: str = "body", code: str | None = None):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
+
+
+class OneFraming:
+    """ASGI middleware: a request with both a Content-Length and a Transfer-Encoding gets a 400 JSON
+    error and ``Connection: close`` (h11 would read the body by its Transfer-Encoding, and a proxy
+    in front may have read it by its Content-Length: the bytes between are another request)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            names = {name.lower() for name, _ in scope["headers"]}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                body = json.dumps({"error": {"message": "the request has both a Content-Length and a Transfer-Encoding; send one (RFC 9112 section 6.1)",
+                                             "type": "invalid_request_error", "param": None, "code": "ambiguous_framing"}}).encode()
+                await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 async def read_json(request: Any, limits: HttpLimits) -> Any:
@@ -105,6 +129,8 @@ def _parse(body: bytes) -> Any:
         raise BodyError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels.") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BodyError(400, f"the request body is not valid JSON: {e}") from None
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits: 4300)
+        raise BodyError(400, f"the request body holds a number Python will not read: {e}") from None
     stack = [(value, 1)]  # a stack of our own: no nesting reaches Python's recursion limit
     while stack:
         item, depth = stack.pop()

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from .openai_requests import Parsed
 
-__all__ = ["TicketStream", "Watch", "sse", "usage", "whole"]
+__all__ = ["TicketStream", "Watch", "incomplete", "sse", "usage", "whole"]
 
 _DISCONNECT_POLL_S = 0.1  # how often a waiting request checks whether its client is still there
 
@@ -35,7 +35,18 @@ def usage(ticket: Any) -> dict[str, int]:
 
 
 def finish_reason(ticket: Any) -> str:
-    return "length" if ticket.hit_cap else "stop"
+    """``"length"`` for an answer cut by its budget or its deadline, else ``"stop"``."""
+    return "length" if ticket.hit_cap or ticket.status == "timeout" else "stop"
+
+
+def incomplete(ticket: Any) -> dict[str, Any]:
+    """``{"incomplete_details": ...}`` for an answer its deadline cut (the name OpenAI's Responses
+    API gives an answer that ended early), else {}: the answer holds its tokens so far."""
+    if ticket.status != "timeout":
+        return {}
+    after = f" {ticket.deadline - ticket.t_submit:g} s after it arrived" if ticket.deadline is not None else ""
+    return {"incomplete_details": {"reason": "timeout", "message": f"the answer was cut at the request's deadline,{after} (queueing included): "
+                                                                   "these are its tokens so far."}}
 
 
 def whole(ticket: Any, endpoint: str, model_name: str) -> dict[str, Any]:
@@ -44,9 +55,11 @@ def whole(ticket: Any, endpoint: str, model_name: str) -> dict[str, Any]:
     text = ticket.result().text
     if endpoint == "chat.completions":
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason(ticket), "logprobs": None}
-        return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": now, "model": model_name, "choices": [choice], "usage": usage(ticket)}
+        return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": now, "model": model_name, "choices": [choice], "usage": usage(ticket),
+                **incomplete(ticket)}
     choice = {"index": 0, "text": text, "finish_reason": finish_reason(ticket), "logprobs": None}
-    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": now, "model": model_name, "choices": [choice], "usage": usage(ticket)}
+    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": now, "model": model_name, "choices": [choice], "usage": usage(ticket),
+            **incomplete(ticket)}
 
 
 async def sse(ticket: Any, watch: Watch, parsed: Parsed, endpoint: str, model_name: str, *, failed: Callable[[Any], Any],
@@ -58,7 +71,7 @@ async def sse(ticket: Any, watch: Watch, parsed: Parsed, endpoint: str, model_na
     head = {"id": f"chatcmpl-{rid}" if chat else f"cmpl-{rid}", "object": "chat.completion.chunk" if chat else "text_completion",
             "created": now, "model": model_name}
 
-    def chunk(text: str | None, finish: str | None = None, *, role: bool = False) -> str:
+    def chunk(text: str | None, finish: str | None = None, *, role: bool = False, extra: dict[str, Any] | None = None) -> str:
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -66,7 +79,7 @@ async def sse(ticket: Any, watch: Watch, parsed: Parsed, endpoint: str, model_na
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+        return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
 
     try:
         if chat:
@@ -80,8 +93,8 @@ async def sse(ticket: Any, watch: Watch, parsed: Parsed, endpoint: str, model_na
             if ended:
                 break
             await watch.wait()
-        if ticket.status == "done":
-            yield chunk(None if chat else "", finish_reason(ticket))
+        if ticket.status == "done" or (ticket.status == "timeout" and ticket.token_ids):
+            yield chunk(None if chat else "", finish_reason(ticket), extra=incomplete(ticket))
         else:
             yield f"data: {failed(ticket).body.decode()}\n\n"
         if parsed.include_usage:

@@ -41,6 +41,9 @@ __all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "NEUTRAL", "Parsed", "parse_chat"
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_STOPS = 4  # OpenAI's limit on stop sequences per request
+# Longer than any turn marker or stop word a client uses; the answer is scanned for every prefix
+# of every stop sequence as it streams (Ticket._settled), so their length must be bounded.
+MAX_STOP_CHARS = 256
 _SURROGATE = re.compile("[\ud800-\udfff]")  # UTF-16 halves: JSON may carry one alone ("\\ud800"), UTF-8 cannot
 
 
@@ -156,10 +159,13 @@ def _common(body: Mapping[str, Any], messages: list[dict[str, str]], *, served: 
         raise BadRequest("stop", f"'stop': got {_show(stop)}, expected a non-empty string or a list of at most {MAX_STOPS} non-empty strings.")
     for s in stops:
         _text(s, "stop")
+        if len(s) > MAX_STOP_CHARS:
+            raise BadRequest("stop", f"'stop': a stop sequence of {len(s):,} characters; each may hold at most {MAX_STOP_CHARS:,}.")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream", f"'stream': got {_show(stream)}, expected true or false.")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     # vLLM's continuous_usage_stats (usage in every chunk) is not offered; false asks for nothing
     # beyond include_usage, and guidellm sends it (true by default, false when told).
     if not isinstance(options, Mapping) or any(k not in ("include_usage", "continuous_usage_stats") for k in options) \

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..core.errors import RecipeError, closest
+from ..core.errors import BadRequest, RecipeError, closest
 
-__all__ = ["STRATEGIES", "Fitted", "HFTokens", "Tokens", "WordTokens", "fit_prompt", "split_chunks"]
+__all__ = ["STRATEGIES", "AtLeast", "Fitted", "HFTokens", "Tokens", "WordTokens", "fit_prompt", "split_chunks"]
 
 STRATEGIES = ("recent_turns", "head_tail", "drop_chunks")
 MARKER = "\n[...]\n"  # stands where head_tail removed the middle of a message
@@ -177,17 +177,53 @@ class HFTokens:
 
         self.tokenizer = tokenizer
         self.format = prompt_format if prompt_format is not None or tokenizer is None else format_of(tokenizer)
+        self._longest: int | None = None  # the most UTF-8 bytes one token's spelling holds (read from the vocabulary once)
 
-    def count(self, messages: Sequence[dict[str, str]]) -> int:
-        from ..weights.prompts import prompt_ids
+    def render(self, messages: Sequence[dict[str, str]]) -> str:
+        """The prompt text the model reads (:class:`fractal_opt.weights.prompts.PromptFormat`).
 
-        return len(prompt_ids(self.tokenizer, self.format, messages))
+        Raises:
+            BadRequest: the chat template refuses the messages (a template's own check, such as
+                roles that must alternate).
+        """
+        from jinja2 import TemplateError
+
+        try:
+            return self.format.render(messages, self.tokenizer)
+        except TemplateError as e:
+            raise BadRequest("messages", f"the model's chat template refuses these messages: {e}") from None
+
+    def count(self, messages: Sequence[dict[str, str]], *, limit: int | None = None) -> int:
+        """The prompt's tokens, as :func:`fractal_opt.weights.prompts.prompt_ids` gives them. With
+        ``limit``, a prompt certain to be longer than that from its size alone is not tokenized
+        (4 MB take seconds): :class:`AtLeast` its floor is returned.
+
+        The floor: no token spans more of the text than its own spelling, in UTF-8 bytes, holds (the
+        vocabulary's longest), and a normalizer shrinks text at most 4-fold (a 4-byte character to a
+        1-byte one), so a text of B bytes holds at least B / (4 x longest) tokens.
+        """
+        from ..weights.prompts import tokenize
+
+        text = self.render(messages)
+        if limit is not None and (floor := len(text.encode("utf-8")) // (4 * self.longest())) > limit:
+            return AtLeast(floor)
+        return len(tokenize(self.tokenizer, self.format, text))
+
+    def longest(self) -> int:
+        """The most UTF-8 bytes one token's spelling in the vocabulary holds."""
+        if self._longest is None:
+            self._longest = max((len(token.encode("utf-8")) for token in self.tokenizer.get_vocab()), default=1) or 1
+        return self._longest
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+class AtLeast(int):
+    """A token count known from below only: the prompt holds this many tokens or more."""
 
 
 class WordTokens:

@@ -15,7 +15,11 @@ from typing import Any
 
 from ..core.errors import BadRequest
 
-__all__ = ["Decoding", "Sampling", "check", "decoding", "differs"]
+__all__ = ["SEED_MAX", "SEED_MIN", "Decoding", "Sampling", "check", "decoding", "differs"]
+
+# A seed is a signed 64-bit integer, what OpenAI's API, vLLM and torch.manual_seed take; the
+# llama.cpp runtime maps it onto llama.cpp's 32-bit seeds (runtimes/llama_cpp/settings.py).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,8 @@ def check(temperature: Any = None, top_p: Any = None, seed: Any = None) -> Sampl
         raise BadRequest("temperature", f"'temperature': got {temperature!r}, expected a number in [0, 2] (0: greedy).")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
         raise BadRequest("top_p", f"'top_p': got {top_p!r}, expected a number in (0, 1].")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest("seed", f"'seed': got {seed!r}, expected an integer.")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX):
+        raise BadRequest("seed", f"'seed': got {_show(seed)}, expected an integer in [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit integer).")
     return Sampling(None if temperature is None else float(temperature), None if top_p is None else float(top_p), seed)
 
 
@@ -82,3 +86,8 @@ def differs(app: Any, sampling: Sampling, *, seed: int) -> str | None:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:40]}...{text[-20:]} ({len(text)} characters)"

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NO_TEMPLATE", "PromptFormat", "has_chat_template", "prompt_format", "prompt_ids"]
+__all__ = ["NO_TEMPLATE", "PromptFormat", "has_chat_template", "prompt_format", "prompt_ids", "tokenize"]
 
 NO_TEMPLATE = "none"  # application.chat_template: plain completion text even for a model with a template
 
@@ -73,7 +73,11 @@ def prompt_format(tokenizer: Any, template: str | None = None) -> PromptFormat:
 
 def prompt_ids(tokenizer: Any, fmt: PromptFormat, messages: Sequence[dict[str, str]]) -> list[int]:
     """The token ids the model receives for ``messages``: rendered by ``fmt``, tokenized by ``tokenizer``."""
-    text = fmt.render(messages, tokenizer)
+    return tokenize(tokenizer, fmt, fmt.render(messages, tokenizer))
+
+
+def tokenize(tokenizer: Any, fmt: PromptFormat, text: str) -> list[int]:
+    """The token ids of prompt ``text`` rendered by ``fmt`` (special tokens added to plain text only)."""
     return [int(t) for t in tokenizer(text, add_special_tokens=not fmt.chat)["input_ids"]]
 
 

@@ -3,7 +3,8 @@
 It speaks the subset of vLLM's API the runtime uses: ``GET /v1/models`` (with ``max_model_len``),
 ``POST /v1/completions`` with ``stream: true`` and a token-id ``prompt`` (SSE ``data:`` lines,
 ``prompt_token_ids`` in the first chunk's choice and ``token_ids`` per chunk as vLLM sends with
-``return_token_ids``, a usage chunk, ``[DONE]``), the same for ``/v1/chat/completions`` (a
+``return_token_ids``, a usage chunk, ``[DONE]``; a prompt and ``max_tokens`` over ``MAX_MODEL_LEN``
+get vLLM's 400), the same for ``/v1/chat/completions`` (a
 stand-in tokenizer's ids of the messages), and ``/v1/completions`` without ``stream`` (prompt
 log-probabilities). The answer is deterministic: token i is ``" w{i}"`` with id ``100 + i``; it stops
 with ``finish_reason: "stop"`` after ``eos_after`` tokens unless ``ignore_eos`` is set.
@@ -28,6 +29,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 __all__ = ["FakeOpenAIServer"]
+
+MAX_MODEL_LEN = 2048  # the context /v1/models reports
 
 
 class FakeOpenAIServer:
@@ -111,7 +114,7 @@ def _handler(fake: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # http.server's naming
             if self.path.rstrip("/") == "/v1/models":
-                self._json(200, {"object": "list", "data": [{"id": fake.model, "object": "model", "max_model_len": 2048}]})
+                self._json(200, {"object": "list", "data": [{"id": fake.model, "object": "model", "max_model_len": MAX_MODEL_LEN}]})
             else:
                 self._json(404, {"error": {"message": f"no route {self.path}"}})
 
@@ -128,6 +131,11 @@ def _handler(fake: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
                 return
             if not body.get("stream"):
                 self._json(400, {"error": {"message": "this fake server only streams"}})
+                return
+            asked = len(body.get("prompt") or _prompt_ids(body.get("messages") or [])) + int(body.get("max_tokens") or 16)
+            if asked > MAX_MODEL_LEN:  # vLLM's refusal of a request over max_model_len
+                self._json(400, {"error": {"message": f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested {asked} tokens.",
+                                           "type": "BadRequestError", "code": 400}})
                 return
             number = fake._enter(body)
             aborted = False

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from fractal_opt.core.errors import EngineError
+from fractal_opt.core.errors import EngineError, RequestRejected
 from fractal_opt.runtimes.vllm import VllmEngine, clear_cache, evict_except
 from fractal_opt.runtimes.vllm.logprobs import coarse_kl_lower_bound, top_flip
 from fractal_opt.runtimes.vllm.process import ENV_PATH, ENV_URL, default_executable
@@ -138,6 +138,27 @@ def test_timeout_ends_a_slow_request(monkeypatch) -> None:
             ticket = server.submit("slow", max_new_tokens=200, timeout_s=0.3)
             g = ticket.result(timeout=10)
         assert ticket.status == "timeout" and 0 < len(g.token_ids) < 200
+
+
+def test_the_context_comes_from_the_server_and_bounds_every_request(monkeypatch) -> None:
+    """context_limit is the server's max_model_len and count_prompt the length of the ids vLLM
+    receives; a budget past the context is sent as what the prompt leaves, a prompt that fills it
+    ends rejected, and vLLM's own 400 for a request over its context is a RequestRejected."""
+    from fractal_opt.engine.protocol import as_request
+
+    with FakeOpenAIServer(token_delay_s=0.0, eos_after=2) as fake:
+        engine = connect(fake, monkeypatch)
+        limit = engine.context_limit()
+        assert limit.tokens == fake_openai_server.MAX_MODEL_LEN and "max_model_len" in str(limit)
+        assert engine.count_prompt(as_request("hi there")) == len(engine.prompt_ids(as_request("hi there")))
+        with engine.server() as server:
+            server.submit("hi", max_new_tokens=10**12, over_cap=True).result(timeout=10)
+            assert fake.requests[-1]["max_tokens"] == limit.tokens - len(fake.requests[-1]["prompt"])
+            full = server.submit("word " * limit.tokens)
+            with pytest.raises(RequestRejected, match="leaves no room for an answer"):
+                full.result(timeout=10)
+        with pytest.raises(RequestRejected, match="maximum context length"):
+            engine.client.stream_completion([1] * 10, {"max_tokens": limit.tokens})
 
 
 def test_sampling_plan_reaches_the_request(fake, monkeypatch) -> None:

@@ -1,10 +1,12 @@
 """`fractal-opt serve` under hostile clients: bodies too large, too slow, nested too deep or not
 text; slowloris and idle sockets; more connections than the cap; fields it does not offer; a
-max_tokens over the plan's cap; an engine that cannot serve. Each gets a JSON error (or its
+max_tokens over the plan's cap; an engine that cannot serve; a request past its deadline; and
+the whole hostile corpus (fractal_opt.serving.hostile_requests). Each gets a JSON error (or its
 connection closed) and the server goes on answering.
 
 The app runs in-process under uvicorn with the limits serve sets (``uvicorn_options``), small
-ones so each case takes a fraction of a second, on a model-less engine.
+ones so each case takes a fraction of a second, on a model-less engine whose prompt tokens are
+its bytes (a context of 4,096 of them).
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from typing import Any
 
 import pytest
 
+from conftest import served_app
+
 from fractal_opt.core.errors import EngineError
+from fractal_opt.serving import hostile_requests
+from fractal_opt.serving.http_limits import HttpLimits
 from fractal_opt.serving.server import Server
 from fractal_opt.testing import FakeEngine
 from fractal_opt.tower.plan import Plan
@@ -28,6 +34,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 CAP = 6  # the plan's application.max_new_tokens
+CONTEXT = 4096  # the plan's context_cap: prompt bytes + answer tokens of one request
+LIMITS = HttpLimits(max_body_bytes=256 << 10, header_timeout_s=0.5, body_timeout_s=0.5, keep_alive_s=0.5, max_connections=8)
 
 
 class EchoServer(Server):
@@ -44,12 +52,21 @@ class EchoServer(Server):
             for _ in range(ticket.max_new_tokens):
                 time.sleep(0.001)
                 ticket._add([1], [time.perf_counter()])
+                self._expire()  # a deadline ends the ticket between tokens, as the runtimes' servers do
+                if ticket.finished:
+                    break
             self._end(ticket, "done")
 
 
 class EchoEngine(FakeEngine):
     health_reason: str | None = None
     fatal: str | None = None
+    count_fails: str | None = None  # count_prompt raises EngineError(this): a tokenizer that cannot load
+
+    def count_prompt(self, request, *, limit=None):
+        if self.count_fails is not None:
+            raise EngineError(self.count_fails)
+        return super().count_prompt(request, limit=limit)
 
     def server(self, *, seed: int = 0, ignore_eos: bool = False) -> Server:
         return EchoServer(self, seed=seed, ignore_eos=ignore_eos)
@@ -63,37 +80,18 @@ class EchoEngine(FakeEngine):
         return self.health_reason
 
 
-def _engine() -> EchoEngine:
-    engine = FakeEngine.factory()(Plan(source="fake").replace_section("application", max_new_tokens=CAP))
+def _engine(**plan_model: Any) -> EchoEngine:
+    plan = Plan(source="fake").replace_section("application", max_new_tokens=CAP).replace_section("model", **{"context_cap": CONTEXT, **plan_model})
+    engine = FakeEngine.factory()(plan)
     engine.__class__ = EchoEngine
     return engine
-
-
-def _serve(engine: Any, **app_kwargs: Any) -> tuple[str, int, Any, Any]:
-    from fractal_opt.serving.http import create_app
-    from fractal_opt.serving.http_limits import HttpLimits
-    from fractal_opt.serving.http_protocol import uvicorn_options
-
-    limits = HttpLimits(max_body_bytes=256 << 10, header_timeout_s=0.5, body_timeout_s=0.5, keep_alive_s=0.5, max_connections=8)
-    app = create_app(engine, model_name="tiny", limits=limits, **app_kwargs)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **uvicorn_options(limits)))
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    while not web.started:
-        time.sleep(0.01)
-    return "127.0.0.1", port, web, thread
 
 
 @pytest.fixture(scope="module")
 def app():
     engine = _engine()
-    host, port, web, thread = _serve(engine)
-    yield host, port, engine
-    web.should_exit = True
-    thread.join(10)
+    with served_app(engine, limits=LIMITS) as (host, port, _):
+        yield host, port, engine
 
 
 def _raw(app, data: bytes, *, wait_s: float = 5.0) -> bytes:
@@ -249,13 +247,9 @@ def test_max_tokens_over_the_plans_cap_is_refused_naming_the_cap(app):
 
 def test_an_app_that_honours_max_tokens_over_the_cap_generates_them():
     """--max-tokens-over-cap honour: a request for more than the plan's cap gets that many tokens."""
-    host, port, web, thread = _serve(_engine(), over_cap="honour")
-    try:
+    with served_app(_engine(), limits=LIMITS, over_cap="honour") as (host, port, _):
         status, body = _post((host, port, None), {"messages": MESSAGES, "max_tokens": CAP + 4})
         assert status == 200 and body["usage"]["completion_tokens"] == CAP + 4
-    finally:
-        web.should_exit = True
-        thread.join(10)
 
 
 def test_health_tells_the_truth_and_a_failed_request_gets_a_short_error(app, caplog):
@@ -280,8 +274,7 @@ def test_an_engine_that_will_never_serve_again_ends_the_app():
     """When the engine's health check raises (restarts spent), /health says failed and on_fatal is called once with the reason."""
     engine = _engine()
     fatal: list[str] = []
-    host, port, web, thread = _serve(engine, on_fatal=fatal.append)
-    try:
+    with served_app(engine, limits=LIMITS, on_fatal=fatal.append) as (host, port, _):
         engine.fatal = "llama-server exited with status -9 and did not start again after 3 tries"
         t = time.monotonic()
         while not fatal and time.monotonic() - t < 5:
@@ -289,6 +282,70 @@ def test_an_engine_that_will_never_serve_again_ends_the_app():
         assert fatal == [engine.fatal]
         status, body = _parsed(_raw((host, port, None), b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
         assert status == 503 and body["status"] == "failed"
+
+
+def test_the_hostile_corpus_gets_no_500_and_every_request_an_answer(app):
+    """Every request of the hostile corpus (over 90: answer lengths and seeds out of range, prompts of
+    100,000 parts or 10,000 messages, malformed JSON, wrong types, huge heads and bodies, smuggling)
+    is answered within 10 s (plus the body / header timeout it waits for) with a status it allows,
+    never a 5xx, and a normal request is answered after each."""
+    host, port, _ = app
+    cases = hostile_requests.corpus(context=CONTEXT, body_limit=LIMITS.max_body_bytes)
+    assert len(cases) >= 90
+    waits = {"body_timeout_s": LIMITS.body_timeout_s, "header_timeout_s": LIMITS.header_timeout_s}
+    assert hostile_requests.check(host, port, cases, waits=waits) == []
+
+
+def test_a_request_past_its_deadline_ends_with_its_tokens_so_far():
+    """A request still generating at its deadline (serve --timeout-s) is answered 200 with its tokens
+    so far, finish_reason length and incomplete_details naming the timeout; streamed too. One that
+    never reached a token is a 503."""
+    with served_app(_engine(), limits=LIMITS, over_cap="honour", timeout_s=0.3) as (host, port, _):
+        t = time.monotonic()
+        status, body = _post((host, port, None), {"messages": MESSAGES, "max_tokens": 3000})  # 3 s of tokens
+        assert status == 200 and time.monotonic() - t < 2, body
+        assert 0 < body["usage"]["completion_tokens"] < 3000 and body["choices"][0]["finish_reason"] == "length"
+        assert body["incomplete_details"]["reason"] == "timeout" and "0.3 s" in body["incomplete_details"]["message"]
+        events = _raw((host, port, None), _request_bytes({"messages": MESSAGES, "max_tokens": 3000, "stream": True})).decode()
+        chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["incomplete_details"]["reason"] == "timeout"
+        assert "data: [DONE]" in events
+
+
+def test_cap_mode_lowers_max_tokens_to_the_cap_and_says_length():
+    """--max-tokens-over-cap cap: a max_tokens over the plan's cap (or the context left) is answered with the cap's tokens and finish_reason length."""
+    with served_app(_engine(), limits=LIMITS, over_cap="cap") as (host, port, _):
+        for asked in (CAP + 4, 10**12):
+            status, body = _post((host, port, None), {"messages": MESSAGES, "max_tokens": asked})
+            assert status == 200 and body["usage"]["completion_tokens"] == CAP and body["choices"][0]["finish_reason"] == "length", body
+
+
+def test_a_prompt_over_the_context_and_max_tokens_of_10_to_the_12_are_refused_at_once(app):
+    """A prompt of context + 1 tokens: 400 naming both numbers; max_tokens 10^12 and seed 2^64: 400 naming the field, within a second."""
+    t = time.monotonic()
+    status, body = _post(app, {"messages": [{"role": "user", "content": "a" * (CONTEXT + 1)}]})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded" and body["error"]["param"] == "messages"
+    assert f"{CONTEXT + 1:,} tokens" in body["error"]["message"] and f"{CONTEXT:,} tokens" in body["error"]["message"]
+    status, body = _post(app, {"messages": MESSAGES, "max_tokens": 10**12})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, body = _post(app, {"messages": MESSAGES, "temperature": 1.0, "seed": 2**64})
+    assert status == 400 and body["error"]["param"] == "seed" and "signed 64-bit" in body["error"]["message"]
+    assert time.monotonic() - t < 1
+    _still_serving(app)
+
+
+def _request_bytes(body: Any) -> bytes:
+    payload = json.dumps(body).encode()
+    return f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload
+
+
+def test_a_prompt_the_engine_cannot_count_gets_a_short_engine_error(app):
+    """Counting the prompt failing (the model's tokenizer missing) is answered like a failed generation: a short 500, never a traceback."""
+    _, _, engine = app
+    engine.count_fails = "the model's tokenizer cannot be read\nTraceback: SECRET"
+    try:
+        status, body = _post(app, {"messages": MESSAGES})
     finally:
-        web.should_exit = True
-        thread.join(10)
+        engine.count_fails = None
+    assert status == 500 and body["error"]["message"] == "generation failed: the model's tokenizer cannot be read", body
+    _still_serving(app)

@@ -43,6 +43,10 @@ def test_a_plain_chat_request_takes_the_plans_defaults():
     ({"messages": MSGS, "top_p": 2}, "top_p"),
     ({"messages": MSGS, "top_p": 0}, "top_p"),
     ({"messages": MSGS, "seed": 1.5}, "seed"),
+    ({"messages": MSGS, "seed": 2**64}, "seed"),
+    ({"messages": MSGS, "seed": -(2**63) - 1}, "seed"),
+    ({"messages": MSGS, "stop": "x" * 257}, "stop"),
+    ({"messages": MSGS, "stream_options": []}, "stream_options"),
     ([1, 2], "body"),
 ])
 def test_bad_fields_are_named(body, param):
@@ -67,3 +71,11 @@ def test_continuous_usage_stats_false_asks_for_nothing_more_and_is_accepted():
     """guidellm's stream_options {include_usage: true, continuous_usage_stats: false} is a plain streamed request with usage at the end."""
     got = parse_chat({"messages": MSGS, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
     assert got.stream and got.include_usage
+
+
+def test_a_seed_is_any_signed_64_bit_integer():
+    """The ends of the signed 64-bit range are taken; one past either is refused naming the range."""
+    assert parse_chat({"messages": MSGS, "seed": 2**63 - 1}).seed == 2**63 - 1
+    assert parse_chat({"messages": MSGS, "seed": -(2**63)}).seed == -(2**63)
+    with pytest.raises(BadRequest, match=r"signed 64-bit"):
+        parse_chat({"messages": MSGS, "seed": 2**63})

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from fractal_opt.core.errors import BadRequest
+from fractal_opt.core.errors import BadRequest, RequestRejected
 from fractal_opt.runtimes import Engine
 from fractal_opt.tower.plan import Plan, SchedulingPlan
 
@@ -57,7 +57,8 @@ def test_top_p_is_applied(sequential):
     assert _ids(sequential, temperature=1.0, top_p=0.5, seed=3) == _ids(sequential, temperature=1.0, top_p=0.5, seed=3)
 
 
-@pytest.mark.parametrize("field,value", [("temperature", -1), ("temperature", 2.5), ("top_p", 2), ("top_p", 0), ("seed", 1.5), ("seed", True)])
+@pytest.mark.parametrize("field,value", [("temperature", -1), ("temperature", 2.5), ("top_p", 2), ("top_p", 0), ("seed", 1.5), ("seed", True),
+                                         ("seed", 2**64), ("seed", -(2**63) - 1)])
 def test_bad_values_are_refused_naming_the_field(sequential, field, value):
     """Server.submit refuses an out-of-range sampling value with the one request error, BadRequest, naming the field."""
     with pytest.raises(BadRequest) as e:
@@ -129,6 +130,32 @@ def test_llama_cpp_receives_each_requests_own_sampling(monkeypatch):
     assert (plain["temperature"], plain["top_k"]) == (0.0, 1)  # the greedy plan
     assert (own["temperature"], own["top_p"], own["top_k"], own["seed"]) == (0.8, 0.9, 0, 5)
     assert (unseeded["temperature"], unseeded["top_p"], unseeded["seed"]) == (0.8, 1.0, 4)  # the server's seed
+
+
+def test_llama_cpp_takes_every_64_bit_seed_and_never_more_than_its_context(monkeypatch):
+    """A seed of any signed 64-bit value reaches llama.cpp as one of its own 32-bit seeds (never
+    0xFFFFFFFF, its "random"), small seeds unchanged; a budget past the context is sent as what the
+    context leaves after the prompt, and a prompt that fills it is rejected, naming both numbers."""
+    from fractal_opt.runtimes.llama_cpp import engine as llama_engine
+    from fractal_opt.runtimes.llama_cpp.settings import ServerSettings, llama_seed
+    from fractal_opt.tower.plan import HardwarePlan
+
+    assert [llama_seed(s) for s in (0, 5, 2**32 - 2, 2**32 - 1, -1)] == [0, 5, 2**32 - 2, 0, 2**32 - 2]
+    assert all(0 <= llama_seed(s) < 2**32 - 1 for s in (2**63 - 1, -(2**63), 2**40 + 3))
+    monkeypatch.setattr(llama_engine, "eos_token_id", lambda path: None)
+    handle = _LlamaHandle()
+    settings = ServerSettings(model_path="m.gguf", threads=1, slots=2, kv_tokens=1024, unified=False, cache_type="f16")
+    engine = llama_engine.LlamaCppEngine(Plan(source="m.gguf", hardware=HardwarePlan(runtime="llama_cpp")), handle, settings)
+    monkeypatch.setattr(engine, "prompt_ids", lambda request: [1] * len(request.messages[-1][1]))  # one token a character (no tokenizer behind m.gguf)
+    with engine.server(seed=2**63 - 1) as server:
+        assert server.submit("hi", max_new_tokens=10**12, over_cap=True, temperature=0.5, seed=-(2**63)).result(timeout=10).text == " x"
+        assert server.submit("hi", max_new_tokens=3, temperature=0.5).result(timeout=10).text == " x"
+        full = server.submit("x" * 512, max_new_tokens=3)
+        with pytest.raises(RequestRejected, match="512 tokens, which leaves no room .* 512 tokens"):
+            full.result(timeout=10)
+    huge, plain = handle.bodies
+    assert settings.context_per_request == 512 and huge["max_tokens"] == 512 - 2 and huge["seed"] == llama_seed(-(2**63))
+    assert plain["max_tokens"] == 3 and plain["seed"] == llama_seed(2**63 - 1)
 
 
 def test_vllm_receives_each_requests_own_sampling(monkeypatch):

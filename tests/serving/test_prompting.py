@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fractal_opt.core.errors import RecipeError
-from fractal_opt.serving.prompting import HFTokens, WordTokens, fit_prompt, split_chunks
+from fractal_opt.core.errors import BadRequest, RecipeError
+from fractal_opt.serving.prompting import AtLeast, HFTokens, WordTokens, fit_prompt, split_chunks
 from fractal_opt.workloads.workload import Request, Workload
 
 
@@ -117,3 +117,29 @@ def test_hf_tokens_on_a_real_tokenizer(tiny_dir):
     fitted = fit_prompt(msgs, budget=before // 3, strategy="head_tail", tokens=tokens)
     assert fitted.fits and fitted.tokens_after <= before // 3 and fitted.saved >= before - before // 3
     assert fitted.messages[-1]["content"].rstrip().endswith("Answer in two sentences.")
+
+
+def test_a_prompt_certain_to_be_over_a_limit_is_not_tokenized(tiny_dir):
+    """With a limit, a prompt whose bytes alone prove it longer is answered AtLeast its floor without
+    tokenizing; a prompt near the limit is counted exactly (the floor never passes the true count)."""
+    from transformers import AutoTokenizer
+
+    tokens = HFTokens(AutoTokenizer.from_pretrained(tiny_dir))
+    huge = [{"role": "user", "content": "hello " * 200_000}]
+    floor = tokens.count(huge, limit=4096)
+    assert isinstance(floor, AtLeast) and 4096 < floor <= tokens.count(huge)
+    near = [{"role": "user", "content": "hello " * 1000}]
+    assert not isinstance(tokens.count(near, limit=4096), AtLeast) and tokens.count(near, limit=4096) == tokens.count(near)
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_bad_request(tiny_dir):
+    """A template's own raise_exception (roles must alternate, say) is a BadRequest on messages, not an engine failure."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    tokenizer.chat_template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation roles must start with user') }}{% endif %}x"
+    tokens = HFTokens(tokenizer)
+    assert tokens.count([{"role": "user", "content": "hi"}]) >= 1
+    with pytest.raises(BadRequest, match="chat template refuses these messages: Conversation roles must start with user") as e:
+        tokens.count([{"role": "assistant", "content": "hi"}])
+    assert e.value.param == "messages"

@@ -173,14 +173,15 @@ def test_cancel_stops_a_running_request_and_frees_its_slot(tiny_dir, requests, m
 def test_timeout_ends_a_request_after_its_deadline(tiny_dir, requests, mode, size):
     """A request past timeout_s ends as timeout (queued or running), and the server keeps serving."""
     engine = _engine(tiny_dir, batching=mode, batch_size=size, max_concurrency=1)
+    long = engine.context_limit().tokens - 100  # as long as the context lets a request run (the continuous batch's cache is smaller)
     with engine.server(ignore_eos=True) as server:
-        slow = server.submit(requests[0], max_new_tokens=5000, timeout_s=0.3)
-        queued = server.submit(requests[1], max_new_tokens=5000, timeout_s=0.3)
+        slow = server.submit(requests[0], max_new_tokens=long, timeout_s=0.3)
+        queued = server.submit(requests[1], max_new_tokens=long, timeout_s=0.3)
         t0 = time.perf_counter()
         slow.result(timeout=30)
         queued.result(timeout=30)
         assert slow.status == "timeout" and queued.status == "timeout"
-        assert time.perf_counter() - t0 < 10  # stopped near its deadline, not after 5000 tokens
+        assert time.perf_counter() - t0 < 10  # stopped near its deadline, not after all its tokens
         ok = server.submit(requests[2], max_new_tokens=3)
         assert ok.result(timeout=60).token_ids and ok.status == "done"
 
@@ -189,7 +190,7 @@ def test_close_ends_every_ticket_and_rejects_new_ones(tiny_dir, requests):
     """close() cancels queued and running requests; a later submit is rejected."""
     engine = _engine(tiny_dir, batching="continuous", max_concurrency=1)
     server = engine.server(ignore_eos=True)
-    tickets = [server.submit(r, max_new_tokens=3000) for r in requests[:3]]
+    tickets = [server.submit(r, max_new_tokens=engine.context_limit().tokens - 100) for r in requests[:3]]  # long: running when closed
     next(iter(tickets[0]))
     server.close()
     assert all(t.status in TERMINAL for t in tickets) and {t.status for t in tickets} == {"cancelled"}

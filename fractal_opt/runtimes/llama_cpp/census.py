@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...engine.protocol import ContextLimit
 from ...weights.model_headers import gguf_header
 from .settings import KV_BYTES_PER_VALUE, ServerSettings, describe
 
-__all__ = ["eos_token_id", "gguf_census"]
+__all__ = ["context_limits", "eos_token_id", "gguf_census"]
 
 # ggml storage types that hold full-precision values; any other type is a quantized block format.
 _FULL_PRECISION = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
@@ -51,6 +52,18 @@ def eos_token_id(path: str) -> int | None:
     """The GGUF's end-of-sequence token id (None when its metadata names none)."""
     eos = _read(path)["eos_token_id"]
     return None if eos is None else int(eos)
+
+
+def context_limits(settings: ServerSettings) -> list[ContextLimit]:
+    """What bounds one request: llama.cpp's context per request (its share of the KV cache: past it
+    llama.cpp refuses a prompt and ends an answer) and the GGUF's trained context, when it says one."""
+    s = settings
+    pool = f"n_ctx {s.kv_tokens:,} shared by {s.slots} slot(s)" if s.unified else f"n_ctx {s.kv_tokens:,} over {s.slots} slot(s)"
+    out = [ContextLimit(s.context_per_request, "llama.cpp's context per request", f"{pool}; the context_cap pass sets it")]
+    trained = _read(s.model_path)["n_ctx_train"]
+    if isinstance(trained, int) and trained > 0:
+        out.append(ContextLimit(trained, "the model's context", "the GGUF's context_length"))
+    return out
 
 
 def gguf_census(settings: ServerSettings, *, context_cap: int | None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from ...core.errors import EngineError, RequestRejected
 from ...serving.sampling import Decoding
+from .settings import llama_seed
 
 __all__ = ["Answer", "OnTokens", "complete", "sampling_fields", "stream_text"]
 
@@ -160,4 +161,4 @@ def sampling_fields(decoding: Decoding, seed: int) -> dict[str, Any]:
     if not decoding.do_sample:
         return {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}  # greedy: the argmax token
     return {"temperature": decoding.temperature, "top_p": decoding.top_p, "top_k": decoding.top_k or 0, "min_p": decoding.min_p or 0.0,
-            "seed": seed if decoding.seed is None else decoding.seed}
+            "seed": llama_seed(seed if decoding.seed is None else decoding.seed)}

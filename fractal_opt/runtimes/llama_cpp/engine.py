@@ -40,7 +40,8 @@ from typing import Any
 
 from ...core.errors import EngineError, RequestRejected
 from ...core.machine import Machine
-from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
+from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, ContextLimit, Engine, Generation, as_request, tightest
+from ...serving.prompting import HFTokens
 from ...serving.sampling import Decoding
 from ...tower.plan import Plan
 from ...weights.models import resolve
@@ -48,7 +49,7 @@ from ...weights.prompts import prompt_format, prompt_ids
 from ...weights.tokenizers import load_tokenizer
 from ...workloads.workload import Request
 from . import logprobs
-from .census import eos_token_id, gguf_census
+from .census import context_limits, eos_token_id, gguf_census
 from .completion import Answer, OnTokens, complete, sampling_fields, stream_text
 from .model_file import model_file, source_problem
 from .process import LlamaServerProcess
@@ -80,6 +81,7 @@ class LlamaCppEngine(Engine):
         self.eos_id = eos_token_id(settings.model_path)
         self._tokenizer: Any = None
         self._format: Any = None  # the prompt format (weights/prompts.py), read with the tokenizer
+        self._tokens: HFTokens | None = None  # the tokenizer as prompts are counted (count_prompt)
 
     # ------------------------------------------------------------------ measurement's needs
     # clock_sync stays the protocol's None: a token reaches the callback only once computed.
@@ -118,6 +120,16 @@ class LlamaCppEngine(Engine):
         """The token ids llama.cpp receives for ``request`` (weights/prompts.py: rendered once, the same on every runtime)."""
         tokenizer = self.tokenizer
         return prompt_ids(tokenizer, self._format, request.as_messages())
+
+    def context_limit(self) -> ContextLimit | None:
+        """The plan's cap, llama.cpp's context per request or the GGUF's trained context, whichever is smallest."""
+        return tightest(super().context_limit(), *context_limits(self.settings))
+
+    def count_prompt(self, request: Request, *, limit: int | None = None) -> int:
+        """The length of :meth:`prompt_ids` (``limit``: the protocol's shortcut); raises BadRequest when the template refuses the messages."""
+        tokenizer = self.tokenizer  # reads the prompt format too
+        self._tokens = self._tokens or HFTokens(tokenizer, self._format)
+        return self._tokens.count(request.as_messages(), limit=limit)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -226,7 +238,12 @@ class LlamaCppEngine(Engine):
         """
         if self.model is None:
             raise EngineError("the engine is closed: build a new one with LlamaCppEngine.build(plan)")
-        body = request_body(self.plan, self.prompt_ids(request), budget=budget, seed=seed, ignore_eos=ignore_eos)
+        ids = self.prompt_ids(request)
+        if len(ids) >= self.settings.context_per_request:
+            raise RequestRejected(f"the prompt is {len(ids):,} tokens, which leaves no room for an answer in llama.cpp's context per request of "
+                                  f"{self.settings.context_per_request:,} tokens; shorten it, or raise the context_cap pass's tokens")
+        budget = min(budget, self.settings.context_per_request - len(ids))  # the answer ends at the context (and n_predict is a C int)
+        body = request_body(self.plan, ids, budget=budget, seed=seed, ignore_eos=ignore_eos)
         if decoding is not None:
             body.update(sampling_fields(decoding, seed))
         if stop:

@@ -29,7 +29,8 @@ from .process import executable_problem, resolve_executable
 from ...weights.ladder import GGUF_METHODS
 from .model_file import DTYPE_TYPES
 
-__all__ = ["KV_CACHE_TYPES", "N_BATCH_DEFAULT", "N_UBATCH_DEFAULT", "REFUSALS", "ServerSettings", "batch_problems", "common_params", "describe", "refusals", "request_body", "server_settings"]
+__all__ = ["KV_CACHE_TYPES", "N_BATCH_DEFAULT", "N_UBATCH_DEFAULT", "REFUSALS", "ServerSettings", "batch_problems", "common_params", "describe", "llama_seed",
+           "refusals", "request_body", "server_settings"]
 
 # plan.model.kv_bits -> llama.cpp cache type (ggml block formats: 32 values per block with one f16
 # scale; q8_0 = 34 bytes per block, q4_0 = 18). llama.cpp has no 2-bit KV cache type.
@@ -292,7 +293,7 @@ def request_body(plan: Plan, prompt: list[int], *, budget: int, seed: int, ignor
         "stream_options": {"include_usage": True},  # the last chunk carries usage.prompt_tokens
         "n_probs": 1,  # each streamed token comes with its id (costs ~3% decode speed, measured)
         "cache_prompt": plan.scheduling.prefix_cache,
-        "seed": seed,
+        "seed": llama_seed(seed),
         "repeat_penalty": app.repetition_penalty,
         "ignore_eos": ignore_eos,
     }
@@ -303,6 +304,12 @@ def request_body(plan: Plan, prompt: list[int], *, budget: int, seed: int, ignor
     if app.stop:
         body["stop"] = list(app.stop)
     return body
+
+
+def llama_seed(seed: int) -> int:
+    """A request's seed (any signed 64-bit integer) as llama.cpp's: a 32-bit unsigned integer of
+    which 0xFFFFFFFF means "a random seed", so seeds are taken modulo 2^32 - 1 (0 .. 2^32 - 2 unchanged)."""
+    return seed % 0xFFFFFFFF
 
 
 def describe(settings: ServerSettings) -> dict[str, Any]:

@@ -69,6 +69,15 @@ class AppRuntime:
             return request, 0
         return dataclasses.replace(request, messages=tuple((m["role"], m["content"]) for m in fitted.messages)), fitted.saved
 
+    def count(self, request: Request, *, limit: int | None = None) -> int:
+        """The request's prompt tokens as the model reads it: rendered with the chat template and
+        trimmed to the prompt budget (what :meth:`fit_counted` then encodes). ``limit``: a prompt
+        certain to be longer is not tokenized (:meth:`HFTokens.count`), unless a budget trims it."""
+        messages = request.as_messages()
+        if not self.app.prompt_budget:
+            return self.tokens.count(messages, limit=limit)
+        return fit_prompt(messages, budget=self.app.prompt_budget, strategy=self.app.prompt_strategy, tokens=self.tokens, head_share=self.app.head_share).tokens_after
+
     # ------------------------------------------------------------------ response cache
     def params_key(self, budget: int) -> tuple:
         """Everything besides the messages that decides the answer: the model and decoding."""

@@ -19,7 +19,7 @@ from ...core.errors import EngineError, RequestRejected
 from ...serving.sampling import Sampling, differs
 from ...serving.server import _POLL_S, Server, Ticket
 
-__all__ = ["ContinuousServer", "cb_config", "cb_unsupported"]
+__all__ = ["ContinuousServer", "cb_cache_tokens", "cb_config", "cb_unsupported"]
 
 # Default KV-cache sizing when the plan leaves cb_num_blocks unset: room for every in-flight
 # request to hold a prompt of this many tokens plus its full token budget. A request that outgrows
@@ -52,14 +52,23 @@ def cb_unsupported(plan: Any) -> list[str]:
     return bad
 
 
+def cb_cache_tokens(scheduling: Any, *, in_flight: int, budget: int) -> int | None:
+    """Tokens the paged KV cache holds, all requests together (None: sized by a share of free
+    memory, known only once built). A request longer than this could never be scheduled."""
+    if scheduling.cb_num_blocks is not None:
+        return scheduling.cb_num_blocks * scheduling.cb_page_size
+    if scheduling.cb_max_memory_percent is not None:
+        return None
+    # Size the cache for the work, not for 60% of free RAM (transformers' CPU default).
+    return math.ceil(in_flight * (_PROMPT_TOKENS_SIZED + budget) / scheduling.cb_page_size) * scheduling.cb_page_size
+
+
 def cb_config(scheduling: Any, *, in_flight: int, budget: int, seed: int) -> Any:
     """The ``ContinuousBatchingConfig`` for a plan's scheduling section."""
     from transformers import ContinuousBatchingConfig
 
-    num_blocks = scheduling.cb_num_blocks
-    if num_blocks is None and scheduling.cb_max_memory_percent is None:
-        # Size the cache for the work, not for 60% of free RAM (transformers' CPU default).
-        num_blocks = math.ceil(in_flight * (_PROMPT_TOKENS_SIZED + budget) / scheduling.cb_page_size)
+    tokens = cb_cache_tokens(scheduling, in_flight=in_flight, budget=budget)
+    num_blocks = None if tokens is None else tokens // scheduling.cb_page_size
     return ContinuousBatchingConfig(
         page_size=scheduling.cb_page_size,
         num_blocks=num_blocks,
@@ -148,12 +157,11 @@ class ContinuousServer(Server):
         encoded = self.engine.encode_prompts([ticket.request])
         ids = encoded.inputs["input_ids"][0].tolist()
         ticket.prompt_tokens_saved = encoded.saved[0]
-        if self.plan.model.context_cap is not None:
-            try:
-                self.engine.check_context(len(ids), ticket.max_new_tokens)
-            except RequestRejected as e:
-                self._end(ticket, "rejected", e)
-                return
+        try:
+            self.engine.check_context(len(ids), ticket.max_new_tokens)  # the plan's cap, or the model's context
+        except RequestRejected as e:
+            self._end(ticket, "rejected", e)
+            return
         if not ticket._start(len(ids)):
             return
         self._running[ticket.key] = ticket

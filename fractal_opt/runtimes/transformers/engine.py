@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 from ...core.errors import EngineError, RecipeError, RequestRejected, closest
 from ...core.machine import Machine
 from ...engine.capabilities import refusals
-from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
-from ...serving.server import Server, serve_all
+from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, ContextLimit, Engine, Generation, as_request, tightest
+from ...serving.server import Server, in_flight_limit, serve_all
 from ...tower.plan import Plan
 from ...weights.prompts import prompt_format, prompt_ids
 from ...workloads.workload import Request
@@ -128,19 +128,45 @@ class TransformersEngine(Engine):
         return {**census(self.model, self.plan), "threads": self.threads}
 
     def check_context(self, prompt_tokens: int, budget: int) -> None:
-        """Refuse a request whose prompt plus token budget exceeds the plan's context cap.
+        """Refuse a request whose prompt plus token budget exceeds :meth:`context_limit` (the plan's
+        context cap, or the model's own context): no request generates past it.
 
         Raises:
             RequestRejected: naming both numbers and the ways to fit.
         """
-        cap = self.plan.model.context_cap
-        if cap is not None and prompt_tokens + budget > cap:
+        limit = self.context_limit()
+        if limit is not None and prompt_tokens + budget > limit.tokens:
+            fix = "raise the context_cap pass's tokens" if self.plan.model.context_cap == limit.tokens else "serve a model with a longer context"
             msg = (
-                f"request needs {prompt_tokens + budget} tokens of context ({prompt_tokens} prompt + {budget} new), over this "
-                f"deployment's context cap of {cap}. Shorten the prompt (an application-layer prompt_budget pass trims it), "
-                "lower max_new_tokens, or raise the context_cap pass's tokens."
+                f"request needs {prompt_tokens + budget} tokens of context ({prompt_tokens} prompt + {budget} new), over {limit}. "
+                f"Shorten the prompt (an application-layer prompt_budget pass trims it), lower max_new_tokens, or {fix}."
             )
             raise RequestRejected(msg)
+
+    def context_limit(self) -> ContextLimit | None:
+        """The plan's context cap, or the model's own context (its config's max_position_embeddings), whichever is smaller."""
+        config = self.model.config.get_text_config() if self.model is not None else None
+        positions = getattr(config, "max_position_embeddings", None)
+        model = ContextLimit(positions, "the model's context", "its max_position_embeddings") if isinstance(positions, int) and positions > 0 else None
+        return tightest(super().context_limit(), model, self._cb_cache())
+
+    def _cb_cache(self) -> ContextLimit | None:
+        """Continuous batching's paged KV cache, all requests together: a longer request would wait forever."""
+        if self.plan.scheduling.batching != "continuous":
+            return None
+        from .continuous import cb_cache_tokens
+
+        tokens = cb_cache_tokens(self.plan.scheduling, in_flight=in_flight_limit(self.plan.scheduling), budget=self.budget(None))
+        return ContextLimit(tokens, "the continuous batch's KV cache", "scheduling.cb_num_blocks x cb_page_size") if tokens else None
+
+    def count_prompt(self, request: Request, *, limit: int | None = None) -> int:
+        """The request's prompt tokens as :meth:`encode_prompts` gives them: the chat template
+        rendered, then trimmed by the plan's prompt budget (``limit``: the protocol's shortcut).
+
+        Raises:
+            BadRequest: the chat template refuses the messages.
+        """
+        return self.app.count(request, limit=limit)
 
     def close(self) -> None:
         """Forget this engine's model (the cache keeps it until evicted or :func:`clear_cache`)."""

@@ -95,11 +95,14 @@ class BatchServer(Server):
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         engine = self.engine
-        batch = [t for t in batch if self._fits(t)]
-        if not batch:
-            return
         try:
             encoded = engine.encode_prompts([t.request for t in batch])
+            fitting = [t for t, n in zip(batch, encoded.prompt_tokens) if self._fits(t, n)]
+            if len(fitting) < len(batch):  # a refused request leaves the batch: the others are encoded again
+                batch = fitting
+                if not batch:
+                    return
+                encoded = engine.encode_prompts([t.request for t in batch])
             budget = max(t.max_new_tokens for t in batch)
             decoding = self.decoding(batch[0])
             kwargs = engine.generation_kwargs(budget, decoding)
@@ -147,12 +150,10 @@ class BatchServer(Server):
         for row in rows:
             row.finish()
 
-    def _fits(self, ticket: Ticket) -> bool:
-        """Reject (only) this ticket when its prompt plus budget exceeds the plan's context cap."""
-        if self.plan.model.context_cap is None:
-            return True
+    def _fits(self, ticket: Ticket, prompt_tokens: int) -> bool:
+        """Reject (only) this ticket when its prompt plus budget exceeds the context (the plan's cap, or the model's)."""
         try:
-            self.engine.check_context(self.engine.encode_prompts([ticket.request]).prompt_tokens[0], ticket.max_new_tokens)
+            self.engine.check_context(prompt_tokens, ticket.max_new_tokens)
         except RequestRejected as e:
             self._end(ticket, "rejected", e)
             return False

@@ -25,7 +25,8 @@ from typing import Any
 
 from ...core.errors import EngineError
 from ...core.machine import Machine
-from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
+from ...engine.protocol import DEFAULT_MAX_NEW_TOKENS, ContextLimit, Engine, Generation, as_request, tightest
+from ...serving.prompting import HFTokens
 from ...tower.plan import Plan
 from ...weights.model_headers import safetensors_header
 from ...weights.models import materialize, resolve
@@ -60,6 +61,8 @@ class VllmEngine(Engine):
         self.max_num_seqs = 1 if s.batching == "sequential" else s.max_concurrency or _CONTINUOUS_DEFAULT_IN_FLIGHT
         self._tokenizer: Any = None
         self._format: Any = None
+        self._tokens: HFTokens | None = None  # the tokenizer as prompts are counted (count_prompt)
+        self._max_model_len: int | None = None  # what /v1/models reports, read once
 
     @property
     def tokenizer(self) -> Any:
@@ -135,6 +138,22 @@ class VllmEngine(Engine):
     def process(self) -> VllmProcess | None:
         """The server process this engine uses (None when the server was given by URL)."""
         return self.served.process if self.served is not None else None
+
+    # ------------------------------------------------------------------ bounds
+    def context_limit(self) -> ContextLimit | None:
+        """The plan's context cap, or the ``max_model_len`` the server reports (read once)."""
+        if self._max_model_len is None and self.model is not None:
+            served = self.client.models()
+            value = served[0].get("max_model_len") if served else None
+            self._max_model_len = int(value) if isinstance(value, int) and value > 0 else 0
+        served_len = ContextLimit(self._max_model_len, "the model's context", "vLLM's max_model_len; the context_cap pass sets it") if self._max_model_len else None
+        return tightest(super().context_limit(), served_len)
+
+    def count_prompt(self, request: Request, *, limit: int | None = None) -> int:
+        """The length of :meth:`prompt_ids` (``limit``: the protocol's shortcut); raises BadRequest when the template refuses the messages."""
+        tokenizer = self.tokenizer  # reads the prompt format too
+        self._tokens = self._tokens or HFTokens(tokenizer, self._format)
+        return self._tokens.count(request.as_messages(), limit=limit)
 
     # ------------------------------------------------------------------ serving
     def serve(self, requests: Sequence[Request], *, max_new_tokens: int | None = None, seed: int = 0, sync: Any = None) -> list[Generation]:

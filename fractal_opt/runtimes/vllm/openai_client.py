@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core.errors import EngineError
+from ...core.errors import EngineError, RequestRejected
 
 __all__ = ["Chunk", "OpenAIClient", "Stream"]
 
@@ -140,6 +140,8 @@ class OpenAIClient:
         if response.status != 200:
             detail = response.read().decode(errors="replace")[:500]
             conn.close()
+            if response.status == 400 and "maximum context length" in detail:  # vLLM's words for a request over max_model_len
+                raise RequestRejected(f"{method} {self.base_url}{path}: the request does not fit the model's context: {detail}")
             raise EngineError(f"{method} {self.base_url}{path} answered HTTP {response.status}: {detail}")
         return conn, response
 

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from ...core.errors import RequestRejected
 from ...serving.slot_server import SlotServer
 from ...serving.ticket import Ticket
 from .engine_args import sampling, sampling_fields
@@ -39,11 +40,12 @@ class VllmServer(SlotServer):
         pieces = self.streamed_text(ticket)  # the text as vLLM streamed it (stop strings already cut)
         if not ticket._start(0):  # cancelled or timed out while queued
             return
-        params = sampling(self.plan, ticket.max_new_tokens, ignore_eos=self.ignore_eos, seed=self.seed)
-        if not ticket.sampling.empty:  # the request's own temperature / top_p / seed, over the plan's
-            params.update(sampling_fields(self.decoding(ticket), self.seed))
         try:
-            stream = self.engine.client.stream_completion(self.engine.prompt_ids(ticket.request), params)
+            prompt = self.engine.prompt_ids(ticket.request)
+            params = sampling(self.plan, self._budget(ticket, len(prompt)), ignore_eos=self.ignore_eos, seed=self.seed)
+            if not ticket.sampling.empty:  # the request's own temperature / top_p / seed, over the plan's
+                params.update(sampling_fields(self.decoding(ticket), self.seed))
+            stream = self.engine.client.stream_completion(prompt, params)
             with self._streams_lock:
                 self._streams[ticket.key] = stream
             if ticket.finished:  # cancelled while the request was being sent
@@ -59,12 +61,27 @@ class VllmServer(SlotServer):
                     ticket._add(ids, [chunk.t] * len(ids))
             if not ticket.finished:
                 self._end(ticket, "done")
+        except RequestRejected as e:  # over the model's context (vLLM's own 400, or no room left by the prompt)
+            self._end(ticket, "rejected", e)
         except Exception as e:  # noqa: BLE001 (one request failed; the server goes on)
             if not ticket.finished:
                 self._end(ticket, "error", e)
         finally:
             with self._streams_lock:
                 self._streams.pop(ticket.key, None)
+
+    def _budget(self, ticket: Ticket, prompt_tokens: int) -> int:
+        """The ticket's budget, ended at the context: vLLM would refuse one past it.
+
+        Raises:
+            RequestRejected: the prompt leaves no room for an answer.
+        """
+        limit = self.engine.context_limit()
+        if limit is None:
+            return ticket.max_new_tokens
+        if prompt_tokens >= limit.tokens:
+            raise RequestRejected(f"the prompt is {prompt_tokens:,} tokens, which leaves no room for an answer in {limit}")
+        return min(ticket.max_new_tokens, limit.tokens - prompt_tokens)
 
     def _cancelled(self, ticket: Ticket) -> None:
         """Cancel or timeout: close the ticket's stream, so vLLM aborts the request."""

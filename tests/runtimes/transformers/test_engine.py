@@ -165,6 +165,36 @@ def test_max_new_tokens_cap(lively_plan, requests):
     assert engine.budget(2) == 2, "a smaller caller budget still wins"
 
 
+def test_a_request_past_the_models_context_is_refused_not_generated(lively_plan, requests):
+    """The model's own context (max_position_embeddings 4,096) bounds a request: prompt + budget past it
+    is RequestRejected naming both numbers; the prompt counted for it is what the request is encoded to."""
+    from fractal_opt.core.errors import RequestRejected
+
+    engine = Engine.build(lively_plan, progress=quiet)
+    limit = engine.context_limit()
+    assert (limit.tokens, limit.what) == (4096, "the model's context")
+    prompt = engine.count_prompt(requests[0])
+    assert prompt == engine.encode_prompts([requests[0]]).prompt_tokens[0]
+    with pytest.raises(RequestRejected, match=f"{prompt + 4096} tokens of context .* the model's context of 4,096 tokens"):
+        engine.serve(requests[:1], max_new_tokens=4096)
+    assert engine.serve(requests[:1], max_new_tokens=2)[0].new_tokens == 2
+
+
+def test_continuous_batching_refuses_a_request_its_cache_cannot_hold(tiny_dir, requests):
+    """A request longer than the continuous batch's whole KV cache (which transformers could never
+    schedule: its loop would stop) is rejected with the cache named, and the server serves on."""
+    from fractal_opt.core.errors import RequestRejected
+
+    engine = Engine.build(Plan(source=str(tiny_dir)).replace_section("scheduling", batching="continuous", max_concurrency=1), progress=quiet)
+    limit = engine.context_limit()
+    assert limit.what == "the continuous batch's KV cache" and limit.tokens < 4096
+    with engine.server(ignore_eos=True) as server:
+        too_long = server.submit(requests[0], max_new_tokens=limit.tokens)
+        with pytest.raises(RequestRejected, match="continuous batch's KV cache"):
+            too_long.result(timeout=60)
+        assert len(server.submit(requests[1], max_new_tokens=3).result(timeout=60).token_ids) == 3
+
+
 def test_end_of_sequence_stops_without_hit_cap(lively_plan, requests, sequential, monkeypatch):
     """A generation that ends at an end-of-sequence token counts that token, is not hit_cap, and leaves it out of the text."""
     engine = Engine.build(lively_plan, progress=quiet)
