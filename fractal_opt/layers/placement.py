@@ -76,7 +76,8 @@ class Split(Pass):
     name = "split"
     layer = Layer.HARDWARE
 
-    rpc_workers: int = field(default=0, metadata={"bounds": (0, _MAX_PARTS)})
+    # None: 2 rpc-servers when nothing else is split (two CPU endpoints are what llama.cpp's RPC is known to run), else none.
+    rpc_workers: int | None = field(default=None, metadata={"bounds": (0, _MAX_PARTS)})
     rpc_endpoints: tuple[str, ...] = ()
     rpc_bind: str = LOOPBACK
     tensor: int = field(default=1, metadata={"bounds": (1, _MAX_PARTS)})
@@ -84,6 +85,8 @@ class Split(Pass):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rpc_endpoints", tuple(str(e) for e in self.rpc_endpoints))
+        if self.rpc_workers is None:
+            object.__setattr__(self, "rpc_workers", 2 if self.tensor == 1 and self.pipeline == 1 and not self.rpc_endpoints else 0)
         problems = [f"'rpc_endpoints': {why}" for e in self.rpc_endpoints if (why := endpoint_problem(e))]
         try:
             ipaddress.ip_address(self.rpc_bind)
@@ -108,7 +111,7 @@ class Split(Pass):
         for placement in self.placements:
             if (why := placement_refused(plan, placement)) is not None:
                 return why
-        if self.rpc_workers > machine.physical_cores:
+        if (self.rpc_workers or 0) > machine.physical_cores:
             return f"rpc_workers={self.rpc_workers}: more rpc-servers than the {machine.physical_cores} physical cores here (each needs a core of its own)"
         ranks = self.tensor * self.pipeline
         if ranks > 1 and plan.hardware.device.startswith("cuda") and ranks > len(machine.cuda_devices):
@@ -118,7 +121,7 @@ class Split(Pass):
         return None
 
     def apply(self, plan: Plan) -> Plan:
-        return plan.replace_section("hardware", rpc_workers=self.rpc_workers, rpc_endpoints=self.rpc_endpoints, rpc_bind=self.rpc_bind,
+        return plan.replace_section("hardware", rpc_workers=self.rpc_workers or 0, rpc_endpoints=self.rpc_endpoints, rpc_bind=self.rpc_bind,
                                     tensor_parallel=self.tensor, pipeline_parallel=self.pipeline)
 
 

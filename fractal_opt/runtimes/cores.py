@@ -28,7 +28,7 @@ def core_blocks(count: int, each: int, *, cpus: Sequence[int] | None = None) -> 
     Raises:
         ValueError: fewer CPUs than ``count x each`` (the placement passes refuse that first).
     """
-    available = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
+    available = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
     if count * each > len(available):
         raise ValueError(f"{count} parts x {each} cores = {count * each} cores, but only {len(available)} CPUs are available: {available}")
     return [available[i * each:(i + 1) * each] for i in range(count)]

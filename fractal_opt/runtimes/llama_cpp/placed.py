@@ -142,10 +142,11 @@ class ReplicaSet(LlamaServerProcess):
                 front = self.replicas[0]
                 self.port, self.supervised = front.port, front.supervised
             else:
-                self.port = free_port()
-                self._config = write_config(haproxy_config([("127.0.0.1", r.port) for r in self.replicas], port=self.port, maxconn=settings.slots))
+                port = self.port = free_port()
+                self._config = write_config(haproxy_config([("127.0.0.1", r.port) for r in self.replicas], port=port, maxconn=settings.slots))
                 argv = router_command(self._config)
-                self.supervised = Supervised(lambda: started(argv, {}, self.port, _ROUTER_START_TIMEOUT_S, name="haproxy"), name="haproxy")
+                # The start function must not hold self: the supervisor's thread would keep this object alive, and its finalizer never run.
+                self.supervised = Supervised(lambda: started(argv, {}, port, _ROUTER_START_TIMEOUT_S, name="haproxy"), name="haproxy")
         except BaseException:
             _stop_all(self.replicas, [self._config] if self._config else [])
             raise
