@@ -12,7 +12,9 @@ fail the quality gate on some CPUs: docs/runtimes.md) on llama.cpp's native llam
    reference text: quality.probes), and ``paris``: whether the split plan answers the README's
    question with Paris.
 2. ``vllm_tp2``: vLLM's CPU build at tensor parallel 1 (decode, TTFT) against 2: the recipe check's
-   refusal from the model's heads, and what ``vllm serve -tp 2`` itself says when started anyway.
+   refusal from the model's heads, and what ``vllm serve -tp 2`` itself says when started anyway;
+   and the split this model allows, pipeline parallel 2 (each rank on a core of its own), measured
+   beside tensor parallel 1 (``pp2``), or why it did not start.
 3. ``replicas``: 1 replica on 1 core against 2 replicas on 1 core each behind HAProxy: capacity
    under recipes/cpu-serving.yaml's SLOs (TTFT p90 <= 4 s, time per output token p90 <= 1 s, under
    1% failed) with its chat load (closed loop, 16-48 output tokens), the search from 8 clients;
@@ -148,13 +150,25 @@ def vllm_part(machine: Any, repeats: int) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         out["tp2_vllm_says"] = f"still starting after {_VLLM_START_S} s (stopped)"
     wl = Workload(suite="default", limit=4, max_new_tokens=32, repeats=repeats)
-    engine = build(tp1, machine=machine, progress=log, max_new_tokens=wl.max_new_tokens)
+    from fractal_opt.runtimes.vllm import clear_cache
+
+    # The split this model allows on 2 cores: its 30 layers over 2 pipeline ranks, one core each.
+    pp2 = Split(pipeline=2).apply(tp1)
     try:
-        m = interleaved({"tp1": (engine, wl)})["tp1"]
+        m = interleaved({"tp1": (build(tp1, machine=machine, progress=log, max_new_tokens=wl.max_new_tokens), wl)})["tp1"]
         out["tp1"] = {"decode_tokens_per_s": _r(m.median("decode_tokens_per_s"), 1), "ttft_ms": _r(m.median("ttft_ms"), 1)}
     finally:
-        from fractal_opt.runtimes.vllm import clear_cache
-
+        clear_cache()
+    engine = None
+    try:
+        engine = build(pp2, machine=machine, progress=log, max_new_tokens=wl.max_new_tokens)
+        m = interleaved({"pp2": (engine, wl)})["pp2"]
+        out["pp2"] = {"decode_tokens_per_s": _r(m.median("decode_tokens_per_s"), 1), "ttft_ms": _r(m.median("ttft_ms"), 1)}
+    except Exception as e:  # noqa: BLE001  (vLLM's own failure to run a pipeline split here is the measured answer)
+        tail = engine.process.log_tail(40) if engine is not None and engine.process is not None else ""
+        cause = [line.strip() for line in tail.splitlines() if "Error" in line or "error" in line]
+        out["pp2"] = {"failed": f"{type(e).__name__}: {e}"[-600:], "vllm_log": cause[-3:]}
+    finally:
         clear_cache()
     out["tp2"] = None
     out["reason"] = f"tensor parallel 2 cannot run this model: {out['tp2_refused']}"

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..core.errors import RecipeError
 
-__all__ = ["Capacity", "FleetAnswer", "Scaling", "capacity_of", "plan_fleet", "scaling_from_benchmark", "scaling_from_trace"]
+__all__ = ["Capacity", "FleetAnswer", "Scaling", "fleet_basis", "plan_fleet", "scaling_from_benchmark"]
 
 _UNITS = {"users": ("users", "clients"), "rate": ("requests/s",)}  # the CLI option -> the capacity units it can size
 
@@ -125,40 +125,54 @@ def _measured_steps(trace: dict[str, Any]) -> list[dict[str, Any]]:
     return steps + [s for s in trace.get("steps") or [] if s.get("status") in ("kept", "rolled_back")]
 
 
-def capacity_of(trace: dict[str, Any]) -> Capacity:
-    """One replica's capacity: the last measured one-replica plan's (the kept plan's when it is one replica).
+def _one_replica(step: dict[str, Any], cores: int) -> Capacity | None:
+    """The capacity of a measured step whose plan is one replica (None for N replicas or no capacity)."""
+    cap = _step_capacity(step)
+    replicas, each = _cores(step.get("plan") or {}, cores)
+    if cap is None or replicas != 1:
+        return None
+    tps = (step.get("metrics") or {}).get("throughput_tokens_per_s")
+    return Capacity(cap[0], cap[1], cap[2], cap[3], float(tps) if isinstance(tps, (int, float)) else None, each, f"step {step.get('pass')} ({step.get('status')})")
+
+
+def fleet_basis(trace: dict[str, Any]) -> tuple[Capacity, Scaling | None]:
+    """One replica's capacity and, when the run measured it, the scaling efficiency against that same replica.
+
+    With a ``replicas`` step of N > 1 copies: the last such step, against the latest one-replica plan
+    measured before it with the same cores per replica (kept or rolled back: both were measured
+    here). Without one: the kept plan's capacity when it is one replica, else the latest
+    one-replica plan measured, and no efficiency.
 
     Raises:
-        RecipeError: the run measured no capacity (no ``load: {capacity: true}``, or no load met the SLOs).
+        RecipeError: the run measured no capacity of a one-replica plan (no ``load: {capacity: true}``, or no load met the SLOs).
     """
     cores = int((trace.get("machine") or {}).get("physical_cores") or 1)
-    found = None
+    singles: list[Capacity] = []
+    basis: tuple[Capacity, Scaling] | None = None
+    kept: Capacity | None = None
     for step in _measured_steps(trace):
-        cap = _step_capacity(step)
+        one = _one_replica(step, cores)
         replicas, each = _cores(step.get("plan") or {}, cores)
-        if cap is not None and replicas == 1 and (step.get("status") != "rolled_back" or found is None):
-            tps = (step.get("metrics") or {}).get("throughput_tokens_per_s")
-            found = Capacity(cap[0], cap[1], cap[2], cap[3], float(tps) if isinstance(tps, (int, float)) else None, each,
-                             f"step {step.get('pass')} ({step.get('status')})")
+        cap = _step_capacity(step)
+        if one is not None:
+            singles.append(one)
+            kept = one if step.get("status") != "rolled_back" else kept
+        elif step.get("pass") == "replicas" and cap is not None:
+            same = [c for c in singles if c.cores == each]
+            if same:
+                c1 = same[-1]
+                basis = (c1, Scaling(cap[0] / (replicas * c1.value), replicas,
+                                     f"{replicas} replicas of {each} core(s) against 1 ({c1.where}), step replicas ({step.get('status')})"))
+        elif step.get("status") != "rolled_back":
+            kept = None  # the kept plan is now N replicas
+    if basis is not None:
+        return basis
+    found = kept or (singles[-1] if singles else None)
     if found is None:
         msg = ("this run measured no capacity of a one-replica plan: the fleet is sized from the capacity under the SLOs that one replica "
                "served (workload: {load: {capacity: true, slo_ttft_ms: ...}}), and no step of this run has one (or no load met the SLOs)")
         raise RecipeError(msg)
-    return found
-
-
-def scaling_from_trace(trace: dict[str, Any]) -> Scaling | None:
-    """The efficiency of the run's last measured ``replicas`` step against the one-replica plan before it (same cores each), or None."""
-    cores = int((trace.get("machine") or {}).get("physical_cores") or 1)
-    previous, answer = None, None
-    for step in _measured_steps(trace):
-        replicas, each = _cores(step.get("plan") or {}, cores)
-        cap = _step_capacity(step)
-        if step.get("pass") == "replicas" and replicas > 1 and cap and previous and previous[1] == each and previous[2]:
-            answer = Scaling(cap[0] / (replicas * previous[2]), replicas, f"{replicas} replicas of {each} core(s) against 1, step replicas ({step.get('status')})")
-        if step.get("status") != "rolled_back" and replicas == 1:
-            previous = (replicas, each, cap[0] if cap else None)
-    return answer
+    return found, None
 
 
 def scaling_from_benchmark(path: str | Path) -> Scaling:

@@ -20,7 +20,7 @@ def add(sub) -> None:
 
 
 def fleet(args: argparse.Namespace) -> int:
-    from ..advice.fleet import capacity_of, plan_fleet, scaling_from_benchmark, scaling_from_trace
+    from ..advice.fleet import fleet_basis, plan_fleet, scaling_from_benchmark
     from ..core.errors import RecipeError
 
     path = Path(args.run_dir) / "trace.json" if Path(args.run_dir).is_dir() else Path(args.run_dir)
@@ -28,8 +28,8 @@ def fleet(args: argparse.Namespace) -> int:
         trace = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise RecipeError(f"fleet: {str(path)!r} is not a run's trace.json ({type(e).__name__}: {e}); give the --out folder of fractal-opt run") from None
-    capacity = capacity_of(trace)
-    scaling = scaling_from_benchmark(args.scaling) if args.scaling else scaling_from_trace(trace)
+    capacity, measured = fleet_basis(trace)
+    scaling = scaling_from_benchmark(args.scaling) if args.scaling else measured
     price = args.price_per_hour if args.price_per_hour is not None else ((trace.get("recipe") or {}).get("machine") or {}).get("price_per_hour")
     option, target = ("users", args.users) if args.users is not None else ("rate", args.rate)
     cores = int((trace.get("machine") or {}).get("physical_cores") or 1)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fractal_opt.advice.fleet import Capacity, Scaling, capacity_of, plan_fleet, scaling_from_benchmark, scaling_from_trace
+from fractal_opt.advice.fleet import Capacity, Scaling, fleet_basis, plan_fleet, scaling_from_benchmark
 from fractal_opt.cli import main
 from fractal_opt.core.errors import RecipeError
 
@@ -27,10 +27,22 @@ TRACE = _trace(_step("baseline", "baseline", 4.0, top=5.0), _step("replicas", "k
 
 def test_one_replica_s_capacity_and_the_measured_efficiency_come_from_the_run():
     """The one-replica plan's capacity, and 2 replicas' capacity over twice one's as the efficiency (same cores each)."""
-    cap = capacity_of(TRACE)
+    cap, scaling = fleet_basis(TRACE)
     assert (cap.value, cap.low, cap.high, cap.cores) == (4.0, 4.0, 5.0, 1)
-    scaling = scaling_from_trace(TRACE)
     assert scaling.efficiency == pytest.approx(7.0 / 8.0) and scaling.replicas == 2
+
+
+def test_a_rolled_back_one_core_replica_still_counts_as_measured():
+    """A pinned one-replica step rolled back (slower than the 2-core server) was measured here: the efficiency is against it, not the 2-core plan."""
+    trace = _trace(_step("baseline", "baseline", 6.0, top=7.0), _step("replicas", "rolled_back", 4.0, replicas=1, cores=1, top=5.0),
+                   _step("replicas", "kept", 7.0, replicas=2, cores=1, top=8.0))
+    cap, scaling = fleet_basis(trace)
+    assert cap.value == 4.0 and cap.cores == 1 and scaling.efficiency == pytest.approx(7.0 / 8.0)
+
+
+def test_without_a_replicas_step_the_kept_plan_is_one_replica_and_no_efficiency():
+    cap, scaling = fleet_basis(_trace(_step("baseline", "baseline", 6.0, top=7.0)))
+    assert cap.value == 6.0 and cap.cores == 2 and scaling is None
 
 
 def test_replicas_and_machines_for_a_target_with_the_interval():
@@ -57,7 +69,7 @@ def test_an_unmeasured_efficiency_is_said_never_filled_in():
 
 def test_a_run_that_measured_no_capacity_is_refused():
     with pytest.raises(RecipeError, match="measured no capacity"):
-        capacity_of(_trace(_step("baseline", "baseline", None)))
+        fleet_basis(_trace(_step("baseline", "baseline", None)))
 
 
 def test_a_target_in_another_unit_is_refused():

@@ -35,3 +35,15 @@ def test_the_recipe_check_refuses_a_split_the_heads_refuse():
     data = {"model": "smollm2-135m-instruct", "passes": {"hardware": [{"runtime": {"backend": "vllm"}}, {"split": {"tensor": 2}}]}}
     with pytest.raises(RecipeError, match=r"split\(.*tensor=2\).*9 attention heads"):
         parse_recipe(data)
+
+
+def test_the_vllm_runtime_refuses_the_split_before_starting_anything():
+    """A tensor-parallel plan the heads refuse is the vllm runtime's refusal too (the runner skips the step before any round)."""
+    from fractal_opt.layers.hardware import Runtime
+    from fractal_opt.layers.placement import Split
+    from fractal_opt.runtimes.vllm.engine import VllmEngine
+    from fractal_opt.tower.plan import Plan
+
+    plan = Split(tensor=2).apply(Runtime(backend="vllm").apply(Plan(source="smollm2-135m-instruct")))
+    assert "hardware.tensor_parallel=2: the model has 9 attention heads" in VllmEngine.refuse(plan)
+    assert VllmEngine.refuse(Split(tensor=3).apply(Runtime(backend="vllm").apply(Plan(source="smollm2-135m-instruct")))) is None

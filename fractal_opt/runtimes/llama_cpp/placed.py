@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import secrets
 import socket
 import sys
 import time
@@ -128,8 +130,6 @@ class ReplicaSet(LlamaServerProcess):
     """``settings.replicas`` llama-servers, each pinned to its own cores, behind HAProxy on a loopback port."""
 
     def __init__(self, settings: Any, *, start_timeout_s: float = 120.0):
-        import secrets
-
         key = secrets.token_urlsafe(32)
         one = dataclasses.replace(settings, replicas=1, replica_cores=None)  # each replica serves the plan itself
         blocks = core_blocks(settings.replicas, settings.replica_cores or _cores_each(settings.replicas))
@@ -176,8 +176,6 @@ class ReplicaSet(LlamaServerProcess):
 
 def _cores_each(parts: int) -> int:
     """This process's CPUs shared out over ``parts`` (at least one each)."""
-    import os
-
     return max(1, len(os.sched_getaffinity(0)) // max(1, parts))
 
 

@@ -53,7 +53,7 @@ def _split(plan: Any) -> bool:
 
 def _unreachable_reason(plan: Any) -> str:
     bad = unreachable(tuple(plan.hardware.rpc_endpoints))
-    return (f"hardware.rpc_endpoints: {len(bad)} of {len(plan.hardware.rpc_endpoints)} rpc-servers do not answer: {', '.join(bad)}; "
+    return (f"hardware.rpc_endpoints={list(plan.hardware.rpc_endpoints)}: {len(bad)} of {len(plan.hardware.rpc_endpoints)} rpc-servers do not answer: {', '.join(bad)}; "
             "start rpc-server on each (rpc-server --host ADDRESS --port PORT) or remove it from the list")
 
 
@@ -61,7 +61,8 @@ _NEEDS_EXECUTABLE = "starts child processes, which needs a llama-server executab
 
 PLACEMENT_REFUSALS: tuple[Refusal, ...] = (
     Refusal("hardware.rpc_workers", lambda p: _split(p) and p.hardware.runtime_path is None,
-            lambda p: "hardware.rpc_workers / rpc_endpoints: a split over rpc-servers " + _NEEDS_EXECUTABLE + "has no RPC backend)"),
+            lambda p: (f"hardware.rpc_workers={p.hardware.rpc_workers} (rpc_endpoints={list(p.hardware.rpc_endpoints)}): a split over rpc-servers "
+                       + _NEEDS_EXECUTABLE + "has no RPC backend)")),
     Refusal("hardware.rpc_workers", lambda p: p.hardware.rpc_workers > 0 and rpc_server_problem() is not None,
             lambda p: f"hardware.rpc_workers={p.hardware.rpc_workers}: {rpc_server_problem()}"),
     Refusal("hardware.rpc_workers", lambda p: p.hardware.rpc_workers > MAX_CPU_RPC_WORKERS, lambda p: (
