@@ -12,7 +12,7 @@ import pytest
 
 import fractal_opt
 from fractal_opt.measure.machine_limits import MachineLimits
-from fractal_opt.runtimes import Capabilities, Runtimes
+from fractal_opt.runtimes import RUNTIMES, Capabilities, Runtimes, register
 from fractal_opt.serving.server import Server
 from fractal_opt.testing import FakeEngine, fake_model_folder
 
@@ -65,11 +65,15 @@ def trace(tmp_path_factory) -> dict:
               "workload": {"suite": "default", "limit": 2, "max_new_tokens": 6, "repeats": 2, "max_repeats": 2, "warmup": 0},
               "quality": {"reference_tokens": 32},
               "passes": {"hardware": [{"runtime": {"backend": NAME}}, {"split": {"rpc_workers": 2}}], "scheduling": [{"replicas": {"count": 2, "cores": 1}}]}}
-    mine = Runtimes(Capabilities(name="transformers", summary="the baseline, faked", engine=BaselineEngine),
-                    Capabilities(name=NAME, summary="a runtime offering replicas only", engine=PlacedEngine, placements=frozenset({"replicas"})))
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(runner, "probe_limits", lambda *a, **k: LIMITS)
-        fractal_opt.optimize(recipe, out=tmp_path / "out", progress=False, runtimes=mine)
+    caps = Capabilities(name=NAME, summary="a runtime offering replicas only", engine=PlacedEngine, placements=frozenset({"replicas"}))
+    mine = Runtimes(Capabilities(name="transformers", summary="the baseline, faked", engine=BaselineEngine), caps)
+    register(caps)  # the passes read the process's registry (the runtime pass's backend, the placement checks)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.setattr(runner, "probe_limits", lambda *a, **k: LIMITS)
+            fractal_opt.optimize(recipe, out=tmp_path / "out", progress=False, runtimes=mine)
+    finally:
+        RUNTIMES.unregister(NAME)
     return json.loads(Path(tmp_path / "out" / "trace.json").read_text())
 
 
