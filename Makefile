@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_SPEC ?= torch==2.13.0
 OUT ?= fractal-out
 
-.PHONY: setup setup-vllm setup-llama-native demo test test-unit clean
+.PHONY: setup setup-vllm setup-llama-native setup-router demo test test-unit clean
 
 $(STAMP): pyproject.toml Makefile scripts/install-llama-convert.sh
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,6 +44,11 @@ setup-vllm:
 # (scripts/build-llama-server.sh; needs cmake and a C++ compiler).
 setup-llama-native: setup
 	bash scripts/build-llama-server.sh
+
+# Optional: HAProxy, the router in front of a plan's replicas (the replicas pass on llama.cpp), from
+# Debian's packages; started and stopped by fractal_opt as a child like every other part of a plan.
+setup-router:
+	command -v haproxy >/dev/null 2>&1 || { apt-get install -y -q haproxy || { apt-get update -q && apt-get install -y -q haproxy; }; }
 
 demo: setup
 	$(VENV)/bin/fractal-opt run recipes/quickstart.yaml --out $(OUT) --force

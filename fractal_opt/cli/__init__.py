@@ -11,7 +11,8 @@
     fractal-opt bisect RUN_DIR                     which kept pass makes the tuned plan slower
     fractal-opt compare A B [--measure]            two runs or recipes side by side
     fractal-opt serve RECIPE_OR_RUN_DIR            an OpenAI-compatible endpoint on the tuned plan
-    fractal-opt export RUN_DIR --to TARGET         the plan as another server's launch settings
+    fractal-opt export RUN_DIR --to TARGET         the plan as another server's launch settings (or a cluster's: --to cluster / kubernetes)
+    fractal-opt fleet RUN_DIR --users N            replicas and machines for a target load, from measured capacity and scaling
 
 Exit codes (EXIT_CODES; docs/cli.md): 0 success, 1 the run failed, 2 invalid input (the message
 says what and how to fix it), 130 interrupted (the steps finished so far are kept). ``main``
@@ -25,7 +26,7 @@ import sys
 
 from ..core.errors import FractalOptError, RecipeError
 from ..core.quiet import quiet_third_party
-from . import bisect, budget, check, compare, doctor, export, generate, passes, run, schema, serve, suggest
+from . import bisect, budget, check, compare, doctor, export, fleet, generate, passes, run, schema, serve, suggest
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
 
@@ -33,7 +34,7 @@ EXIT_CODES = {0: "success", 1: "the run failed", 2: "invalid input: a recipe, fi
               130: "interrupted (Ctrl-C); the steps finished so far are kept"}
 
 # The subcommands, in the order ``--help`` lists them.
-COMMANDS = (run, check, passes, schema, generate, budget, doctor, suggest, bisect, compare, serve, export)
+COMMANDS = (run, check, passes, schema, generate, budget, doctor, suggest, bisect, compare, serve, export, fleet)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,10 +9,14 @@ from pathlib import Path
 
 def add(sub) -> None:
     from ..export import TARGETS
+    from ..export.cluster import CLUSTER_TARGETS
 
-    p = sub.add_parser("export", help="print the tuned plan as launch settings for transformers serve, vllm, llama-server or generation_config.json")
+    p = sub.add_parser("export", help="print the tuned plan as launch settings for transformers serve, vllm, llama-server or generation_config.json, "
+                                      "or as a cluster's parts or Kubernetes manifests")
     p.add_argument("run_dir", help="a run's output folder (trace.json, recipe.yaml) or a tuned recipe.yaml")
-    p.add_argument("--to", required=True, choices=TARGETS, dest="target", help="the server to export to")
+    p.add_argument("--to", required=True, choices=(*TARGETS, *CLUSTER_TARGETS), dest="target",
+                   help="the server to export to; cluster: each part's command (rpc-servers, replicas, router); kubernetes: a Deployment and a Service (+ KServe for vLLM)")
+    p.add_argument("--replicas", type=int, default=None, help="kubernetes: pods of the Deployment (default: the plan's replicas; fractal-opt fleet says how many a load needs)")
     p.add_argument("--host", default="127.0.0.1", help="listen address in the launch command (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port in the launch command (default 8000)")
     p.add_argument("--write", metavar="DIR", default=None, help="also write the exported files (generation_config.json) into DIR")
@@ -21,7 +25,8 @@ def add(sub) -> None:
 
 def export_command(args: argparse.Namespace) -> int:
     from ..core.errors import FractalOptError
-    from ..export import export
+    from ..export import Where, export
+    from ..export.cluster import CLUSTER_TARGETS, export_cluster
     from ..language.recipe import load_recipe
     from ..runtimes import recipe_source
     from ..weights import models
@@ -35,8 +40,12 @@ def export_command(args: argparse.Namespace) -> int:
     except FractalOptError:
         model_path = plan.source
     trace = _trace(Path(source).parent)
-    out = export(plan, args.target, passes=recipe.passes, model_path=model_path, measured=_measured(trace), host=args.host, port=args.port,
-                 threads=_recorded_threads(trace, plan.hardware.runtime))
+    threads = _recorded_threads(trace, plan.hardware.runtime)
+    if args.target in CLUSTER_TARGETS:
+        where = Where(model=model_path, host=args.host, port=args.port, threads=threads)
+        out = export_cluster(plan, args.target, where=where, replicas=args.replicas, passes=recipe.passes, measured=_measured(trace))
+    else:
+        out = export(plan, args.target, passes=recipe.passes, model_path=model_path, measured=_measured(trace), host=args.host, port=args.port, threads=threads)
     print(out.to_text())
     if args.write:
         folder = Path(args.write)

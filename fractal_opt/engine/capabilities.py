@@ -24,7 +24,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["Capabilities", "Idle", "Refusal", "refusals", "resolve"]
+__all__ = ["PLACEMENTS", "Capabilities", "Idle", "Refusal", "refusals", "resolve"]
+
+# The ways a runtime may spread one plan over processes or machines, each a placement pass's
+# (layers/placement.py): the model's layers over llama.cpp rpc-servers; each layer's matrices over
+# devices (vLLM tensor parallel); the stack of layers over devices or nodes (pipeline parallel);
+# whole copies of the plan behind a router (replicas).
+PLACEMENTS = {
+    "rpc": "the model's layers over llama.cpp rpc-server processes (llama-server --rpc)",
+    "tensor_parallel": "each layer's matrices split over devices (vllm serve --tensor-parallel-size)",
+    "pipeline_parallel": "the stack of layers split over devices or nodes (vllm serve --pipeline-parallel-size)",
+    "replicas": "whole copies of the plan, each on its own cores, behind a router",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +104,9 @@ class Capabilities:
         idle: what an idle instance costs, and how it is paused and evicted.
         telemetry: the keys it adds to a measurement's ``extra`` that the trace keeps.
         export_targets: the ``fractal-opt export --to`` targets that run this same runtime.
+        placements: how it can spread a plan over processes or machines (:data:`PLACEMENTS`:
+            ``rpc``, ``tensor_parallel``, ``pipeline_parallel``, ``replicas``); a placement pass
+            on a runtime that does not list its placement is refused with the ones it does.
         evict: ``evict(keep)``: drop cached instances whose ``Plan.weights_key()`` is not in ``keep``.
         clear: ``clear()``: drop every cached instance.
     """
@@ -113,6 +127,7 @@ class Capabilities:
     idle: Idle = field(default_factory=Idle)
     telemetry: tuple[str, ...] = ()
     export_targets: tuple[str, ...] = ()
+    placements: frozenset[str] = frozenset()
     evict: str | Callable[[set[tuple]], None] | None = None
     clear: str | Callable[[], None] | None = None
 

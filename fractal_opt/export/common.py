@@ -31,6 +31,8 @@ OWN_SERVER = "fractal_opt's own request server: `fractal-opt serve` keeps it, th
 OWN_APP = "fractal_opt's application layer (prompt trimming / response cache): `fractal-opt serve` keeps it, this server has none"
 TORCH_ONLY = "a setting of the transformers runtime in fractal_opt's own process (torch); this server has no such flag"
 
+REPLICAS = "copies of this one server behind a router: `fractal-opt export --to cluster` (each replica and the router) or `--to kubernetes` (a Deployment of N)"
+
 # The entries every external target shares; each target's table adds or overrides the rest.
 SHARED: dict[str, tuple[str, str]] = {
     "source": ("select", "the model the server loads"),
@@ -50,6 +52,12 @@ SHARED: dict[str, tuple[str, str]] = {
     "application.cache_threshold": ("lost", OWN_APP),
     "application.chat_template": ("lost", "fractal_opt renders every prompt itself from the plan's template (fractal_opt/weights/prompts.py): "
                                   "give this server the same template, or send it prompts already rendered (its completions endpoint)"),
+    "hardware.rpc_workers": ("lost", "llama.cpp's split over rpc-servers: `fractal-opt export --to cluster` gives each part's command"),
+    "hardware.rpc_endpoints": ("lost", "llama.cpp's split over rpc-servers: `fractal-opt export --to cluster` gives each part's command"),
+    "hardware.rpc_bind": ("lost", "the rpc-servers' listen address: `fractal-opt export --to cluster` gives their commands"),
+    "scheduling.replicas": ("lost", REPLICAS),
+    "scheduling.replica_cores": ("lost", REPLICAS),
+    "scheduling.router": ("lost", REPLICAS),
 }
 
 
@@ -83,12 +91,19 @@ class Export:
     lost_passes: list[tuple[str, list[str]]] = field(default_factory=list)  # (kept pass, its fields that do not carry)
     remarks: list[str] = field(default_factory=list)  # where a value in the command comes from (the converted folder, the thread count)
     note: str = ""
+    parts: list[tuple[str, list[str], dict[str, str]]] = field(default_factory=list)  # a cluster's parts: (where it runs, command, environment), in start order
 
     def to_text(self) -> str:
         lines = [f"# fractal-opt export --to {self.target}", ""]
         if self.command:
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
             lines += ["Launch:", "  " + (env + " " if env else "") + shlex.join(self.command), ""]
+        if self.parts:
+            lines.append("Parts, started in this order:")
+            for where, command, env in self.parts:
+                prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+                lines += [f"  # {where}", "  " + (prefix + " " if prefix else "") + shlex.join(command)]
+            lines.append("")
         lines += [*(f"  ({r})" for r in self.remarks), *([""] if self.remarks else [])]
         if self.request:
             lines += ["Per-request fields (send them, or the server's defaults apply):", "  " + json.dumps(self.request, sort_keys=True), ""]

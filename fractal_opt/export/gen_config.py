@@ -46,10 +46,13 @@ _LOAD_LOST = {  # how the weights are loaded: no generation_config.json key (a l
     "hardware.prepack": "oneDNN weight prepacking", "hardware.flash_attention": "llama.cpp's flash attention",
     "hardware.n_batch": "llama.cpp's tokens per decode call", "hardware.n_ubatch": "llama.cpp's tokens per forward pass",
     "hardware.tensor_parallel": "vLLM's tensor parallelism", "hardware.pipeline_parallel": "vLLM's pipeline parallelism",
+    "hardware.rpc_workers": "llama.cpp's split over rpc-servers", "hardware.rpc_endpoints": "llama.cpp's split over rpc-servers",
+    "hardware.rpc_bind": "the rpc-servers' listen address",
     "model.weight_bits": "weight quantization", "model.quant_backend": "weight quantization", "model.quant_method": "weight quantization",
     "model.quant_group_size": "weight quantization", "model.quant_skip": "weight quantization", "model.quant_sensitivity_max_kl": "weight quantization",
 }
-_SCHED_LOST = ("batching", "max_concurrency", "streaming", "prefix_cache", "cb_max_batch_tokens", "cb_num_blocks", "cb_page_size", "cb_max_memory_percent", "cb_scheduler")
+_SCHED_LOST = ("batching", "max_concurrency", "streaming", "prefix_cache", "cb_max_batch_tokens", "cb_num_blocks", "cb_page_size", "cb_max_memory_percent", "cb_scheduler",
+               "replicas", "replica_cores", "router")
 
 TABLE: dict[str, tuple[str, str]] = {
     **SHARED,

@@ -14,7 +14,7 @@ from ..core.errors import ModelSourceError
 from ..tower.plan import Plan
 from .common import SHARED, TORCH_ONLY, Export, Where, stream, thread_count
 
-__all__ = ["RUNTIME", "TABLE", "build"]
+__all__ = ["RUNTIME", "TABLE", "build", "rpc_addresses"]
 
 RUNTIME = "llama_cpp"  # the fractal_opt runtime that measures the same server
 
@@ -36,6 +36,8 @@ TABLE: dict[str, tuple[str, str]] = {
     "hardware.n_ubatch": ("arg", "--ubatch-size"),
     "hardware.tensor_parallel": ("lost", "vLLM's tensor parallelism (llama.cpp splits layers with --split-mode on several GPUs)"),
     "hardware.pipeline_parallel": ("lost", "vLLM's pipeline parallelism"),
+    "hardware.rpc_workers": ("arg", "--rpc RPC_HOST_1:50052,... --n-gpu-layers 999 (each rpc-server's own command: --to cluster)"),
+    "hardware.rpc_endpoints": ("arg", "--rpc host:port,... --n-gpu-layers 999"),
     "model.weight_bits": ("arg", "--model: the GGUF file re-quantized by the gguf backend (other backends are refused by llama.cpp)"),
     "model.quant_backend": ("arg", "--model: the re-quantized GGUF file (gguf backend)"),
     "model.quant_method": ("arg", "--model: the re-quantized GGUF file's block type (q8_0 / q4_0)"),
@@ -90,7 +92,7 @@ def build(plan: Plan, where: Where, out: Export) -> dict[str, str]:
     settings = server_settings(plan, model, physical_cores=threads)
     a = plan.application
     # The flags the llama_cpp runtime measured with when it ran llama-server itself (one mapping).
-    cmd = command("llama-server", settings, where.port, host=where.host)
+    cmd = command("llama-server", settings, where.port, host=where.host, rpc=rpc_addresses(settings))
     if a.max_new_tokens:
         cmd += ["--n-predict", str(a.max_new_tokens)]
     if a.do_sample:
@@ -113,6 +115,13 @@ def build(plan: Plan, where: Where, out: Export) -> dict[str, str]:
     if why:
         reasons["hardware.threads"] = why
     return reasons
+
+
+def rpc_addresses(settings: object, *, port: int = 50052) -> list[str]:
+    """Where the plan's rpc-servers listen, for a launch command: a placeholder per rpc-server this
+    machine started (``RPC_HOST_N:port``: one machine each in a cluster), then the plan's endpoints."""
+    started = [f"RPC_HOST_{i + 1}:{port}" for i in range(getattr(settings, "rpc_workers", 0))]
+    return [*started, *getattr(settings, "rpc_endpoints", ())]
 
 
 def _requantized_model(plan: Plan, model: str) -> tuple[str, str | None]:

@@ -43,6 +43,7 @@ from ..quality.probes import QualityConfig
 from ..tower.passes import Layer, Pass
 from ..tower.plan import ApplicationPlan, ModelPlan, Plan
 from ..weights import models
+from ..weights.heads import tensor_parallel_problem
 from ..workloads.workload import Request, Workload
 from .model_spec import ModelSpec, architecture_problems, parse_model
 from .policy import Policy
@@ -222,6 +223,9 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
             _check_prompts(source, requests, workload.max_new_tokens, passes, where=f"{where}: workload suite {workload.suite!r}")
             if quality is not None:
                 _check_prompts(source, eval_requests, quality.eval_max_new_tokens, passes, where=f"{where}: quality eval {quality.eval!r}")
+    if source is not None:
+        for problem in split_problems(str(model), passes):  # a tensor-parallel degree the model's heads refuse, from its files alone
+            found.add(f"{where}: passes: {problem}")
     if workload is not None and policy is not None and targets is not None:
         with found.collect(f"{where}: "):
             workload.check_wanted({policy.objective, *policy.guards, *targets.to_dict()})
@@ -326,6 +330,17 @@ def _check_prompts(source: models.ModelSource, requests: list[Request], max_new_
                 )
                 break
     found.raise_if_any()
+
+
+def split_problems(model: str, passes: tuple[Pass, ...]) -> list[str]:
+    """Each pass whose tensor-parallel degree the model's attention heads refuse (read from its files), with why."""
+    base = Plan(source=model)
+    out = []
+    for p in passes:
+        degree = p.apply(base).hardware.tensor_parallel
+        if degree > 1 and (why := tensor_parallel_problem(model, degree)):
+            out.append(f"pass {p.describe()}: {why}")
+    return out
 
 
 def _parse_passes(data: Any, *, where: str, found: Problems) -> tuple[Pass, ...]:

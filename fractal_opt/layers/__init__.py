@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..core.errors import RecipeError, closest
 from ..tower.passes import ENTRY_POINT_GROUP, Layer, Pass, registered
-from . import application, hardware, model, scheduling  # noqa: F401  (importing registers the built-in passes)
+from . import application, hardware, model, placement, scheduling  # noqa: F401  (importing registers the built-in passes)
 
 __all__ = ["get_pass", "passes_by_layer", "registry"]
 

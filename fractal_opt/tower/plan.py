@@ -84,6 +84,11 @@ class HardwarePlan:
     runtime_url: str | None = field(default=None, metadata=WEIGHTS)  # vllm: base URL of a running OpenAI-compatible server (then nothing is started)
     tensor_parallel: int = field(default=1, metadata=WEIGHTS)  # vllm: GPUs each layer is split over (--tensor-parallel-size)
     pipeline_parallel: int = field(default=1, metadata=WEIGHTS)  # vllm: GPUs / nodes the layers are split over (--pipeline-parallel-size)
+    # llama.cpp RPC (the split pass): the model's layers spread over rpc-server processes, each a
+    # ggml backend of its own; llama-server keeps the rest and drives them (--rpc).
+    rpc_workers: int = field(default=0, metadata=WEIGHTS)  # rpc-servers started on this machine, each on its own cores (0 = no split)
+    rpc_endpoints: tuple[str, ...] = field(default=(), metadata=WEIGHTS)  # "host:port" of rpc-servers already running elsewhere (started by nobody here)
+    rpc_bind: str = field(default="127.0.0.1", metadata=WEIGHTS)  # the address started rpc-servers listen on (loopback: the protocol has no authentication)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +132,10 @@ class SchedulingPlan:
     cb_page_size: int = field(default=256, metadata=RUNTIME)  # tokens per KV-cache page (transformers' default)
     cb_max_memory_percent: float | None = field(default=None, metadata=RUNTIME)  # share of free memory for the KV cache (when cb_num_blocks is None)
     cb_scheduler: str = field(default="fifo", metadata=RUNTIME)  # fifo | prefill_first
+    # Replicas (the replicas pass): copies of the whole plan, each on its own cores, behind a router.
+    replicas: int = field(default=1, metadata=RUNTIME)  # servers of the plan (1 = the plan's own server alone)
+    replica_cores: int | None = field(default=None, metadata=RUNTIME)  # cores each replica is pinned to; None = 1 replica unpinned, else the cores / replicas
+    router: str = field(default="auto", metadata=RUNTIME)  # in front of several replicas: auto (the runtime's own where it has one: vllm's data-parallel front end; else haproxy) | haproxy
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,6 +32,9 @@ ROWS: list[tuple[str, Any, dict[str, dict[str, Any]], str, Any]] = [
     ("hardware.runtime_url", "http://127.0.0.1:8000", {}, "client", None),  # a running server (test_vllm.py)
     ("hardware.tensor_parallel", 2, GPU, "args", ["--tensor-parallel-size", "2"]),
     ("hardware.pipeline_parallel", 2, GPU, "args", ["--pipeline-parallel-size", "2"]),
+    ("hardware.rpc_workers", 2, {}, "refused", None),
+    ("hardware.rpc_endpoints", ("10.0.0.2:50052",), {}, "refused", None),
+    ("hardware.rpc_bind", "0.0.0.0", {}, "refused", None),
     ("hardware.flash_attention", "on", {}, "refused", None),
     ("hardware.n_batch", 512, {}, "refused", None),
     ("hardware.n_ubatch", 256, {}, "refused", None),
@@ -69,6 +72,9 @@ ROWS: list[tuple[str, Any, dict[str, dict[str, Any]], str, Any]] = [
     ("scheduling.cb_page_size", 128, {}, "args", ["--block-size", "128"]),
     ("scheduling.cb_max_memory_percent", 0.8, GPU, "args", ["--gpu-memory-utilization", "0.8"]),
     ("scheduling.cb_scheduler", "prefill_first", {}, "refused", None),
+    ("scheduling.replicas", 2, GPU, "args", ["--data-parallel-size", "2"]),
+    ("scheduling.replica_cores", 1, {}, "refused", None),
+    ("scheduling.router", "haproxy", {}, "refused", None),
     ("application.max_new_tokens", 7, {}, "request", None),  # checked through Engine.budget below
     ("application.stop", ("\n\n",), {}, "request", {"stop": ["\n\n"]}),
     ("application.do_sample", True, {}, "request", {"temperature": 1.0, "top_p": 1.0}),
@@ -165,7 +171,10 @@ def test_transformers_kv_backends_are_refused(backend: str) -> None:
     assert any(f"model.kv_backend={backend!r}" in r and "native" in r for r in reasons), reasons
 
 
-def test_parallelism_needs_gpus() -> None:
-    """Tensor / pipeline parallelism on the CPU build is refused, naming both fields."""
-    reasons = refusals(vllm_plan(hardware={"tensor_parallel": 2}))
-    assert any("hardware.tensor_parallel=2" in r for r in reasons), reasons
+def test_parallelism_on_the_cpu_build_binds_each_rank_to_its_cores() -> None:
+    """Tensor parallel on the CPU build runs vLLM's multiprocessing executor with each rank bound to its own cores (VLLM_CPU_OMP_THREADS_BIND)."""
+    plan = vllm_plan(hardware={"tensor_parallel": 2, "device": "cpu", "threads": 2})
+    assert refusals(plan) == []
+    assert _contains(engine_args(plan), ["--tensor-parallel-size", "2"]) and _contains(engine_args(plan), ["--distributed-executor-backend", "mp"])
+    env = server_env(plan, physical_cores=2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1 and "OMP_NUM_THREADS" not in env

@@ -43,6 +43,9 @@ SAMPLES: dict[str, tuple[object, dict[str, object]]] = {
     "hardware.runtime_url": ("http://127.0.0.1:9000", {}),
     "hardware.tensor_parallel": (2, {"hardware.device": "cuda"}),
     "hardware.pipeline_parallel": (2, {"hardware.device": "cuda"}),
+    "hardware.rpc_workers": (2, {}),
+    "hardware.rpc_endpoints": (("127.0.0.1:1",), {}),  # refused at once (connection refused), never a network wait
+    "hardware.rpc_bind": ("0.0.0.0", {"hardware.rpc_workers": 2}),
     "model.weight_bits": (8, {}),
     "model.quant_backend": ("bitsandbytes", {"model.weight_bits": 8}),
     "model.quant_method": ("fp4", {"model.weight_bits": 4, "model.quant_backend": "bitsandbytes"}),  # nf4 is the default
@@ -67,6 +70,9 @@ SAMPLES: dict[str, tuple[object, dict[str, object]]] = {
     "scheduling.cb_page_size": (128, CONTINUOUS),
     "scheduling.cb_max_memory_percent": (0.5, CONTINUOUS),
     "scheduling.cb_scheduler": ("prefill_first", CONTINUOUS),
+    "scheduling.replicas": (2, {}),
+    "scheduling.replica_cores": (1, {"scheduling.replicas": 2}),
+    "scheduling.router": ("haproxy", {"scheduling.replicas": 2}),
     "application.max_new_tokens": (24, {}),
     "application.stop": (("\n\n",), {}),
     "application.do_sample": (True, {}),

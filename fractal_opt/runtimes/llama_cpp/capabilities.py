@@ -27,6 +27,9 @@ CAPABILITIES = Capabilities(
               evict="evict_except / clear_cache drop the resident server (it stops once no call uses it)"),
     telemetry=("activate_s",),  # the reload before a round, kept apart from the round's own time
     export_targets=("llama-server",),
+    # A model's layers over rpc-servers (llama-server --rpc), and copies behind HAProxy: both need
+    # the llama-server executable (runtime_path), whose children they are.
+    placements=frozenset({"rpc", "replicas"}),
     evict="fractal_opt.runtimes.llama_cpp:evict_except",
     clear="fractal_opt.runtimes.llama_cpp:clear_cache",
 )

@@ -173,7 +173,7 @@ class LlamaCppEngine(Engine):
         this engine's); none for xllamacpp in this process."""
         if self.settings.executable is None or not isinstance(self.model, _Resident):
             return []
-        return [self.model.server().pid]
+        return self.model.server().pids()  # a split or replicated plan: every part
 
     def health(self) -> str | None:
         """Closed, or the llama-server child restarting or not answering (raises once it cannot be
@@ -362,9 +362,9 @@ def _starter(settings: ServerSettings) -> Callable[[ServerSettings], Any]:
         EngineError: in-process serving without the xllamacpp package.
     """
     if settings.executable is not None:
-        from .process import LlamaServerProcess
+        from .placed import starter
 
-        return LlamaServerProcess
+        return starter(settings)  # one llama-server, or its rpc-servers or replicas with it
     try:
         import xllamacpp as xlc
     except ImportError:

@@ -34,15 +34,16 @@ import secrets
 import subprocess
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ...core.errors import EngineError
 from ...weights.llama_tools import cpu_tag, native_tool
 from ..child_process import ServerProcess, Supervised, free_port
+from ..cores import pinned
 
-__all__ = ["NATIVE", "LlamaServerProcess", "command", "cpu_tag", "executable_problem", "native_executable", "resolve_executable"]
+__all__ = ["NATIVE", "LlamaServerProcess", "command", "cpu_tag", "executable_problem", "native_executable", "resolve_executable", "started"]
 
 NATIVE = "native"  # hardware.runtime_path value: the llama-server that scripts/build-llama-server.sh built
 _START_TIMEOUT_S = 120.0  # loading the embedded model takes ~1 s; a large GGUF from a cold disk takes longer
@@ -74,10 +75,11 @@ def executable_problem(path: str) -> str | None:
     return f"hardware.runtime_path={path!r}: {what}; {_BUILD_HINT}, or give the path of a llama-server executable"
 
 
-def command(executable: str, settings: Any, port: int, *, host: str = "127.0.0.1") -> list[str]:
+def command(executable: str, settings: Any, port: int, *, host: str = "127.0.0.1", rpc: Sequence[str] = ()) -> list[str]:
     """The ``llama-server`` command line for ``settings`` (:class:`.settings.ServerSettings`): the
     same load-time settings :func:`.settings.common_params` gives xllamacpp, as llama.cpp's flags
-    (also what ``fractal-opt export --target llama-server`` prints)."""
+    (also what ``fractal-opt export --target llama-server`` prints). ``rpc``: the ``host:port``
+    of each rpc-server the model's layers are spread over (every layer offloaded to them)."""
     cmd = [executable, "--model", settings.model_path, "--host", host, "--port", str(port),
            "--parallel", str(settings.slots), "--ctx-size", str(settings.kv_tokens),
            "--kv-unified" if settings.unified else "--no-kv-unified",
@@ -91,6 +93,10 @@ def command(executable: str, settings: Any, port: int, *, host: str = "127.0.0.1
         cmd += ["--ubatch-size", str(settings.n_ubatch)]
     # As in common_params: prefix reuse only when the plan asks (a cache hit is not a prefill).
     cmd += ["--cache-prompt"] if settings.prefix_cache else ["--no-cache-prompt", "--cache-ram", "0"]
+    if rpc:
+        # Each rpc-server is a device of its own; 999 layers = all of them go to the devices, split
+        # by the memory each reports, and llama-server keeps only the token embeddings.
+        cmd += ["--rpc", ",".join(rpc), "--n-gpu-layers", "999"]
     return cmd
 
 
@@ -106,16 +112,19 @@ class LlamaServerProcess:
             (the message ends with its last log lines).
     """
 
-    def __init__(self, settings: Any, *, start_timeout_s: float = _START_TIMEOUT_S):
+    def __init__(self, settings: Any, *, start_timeout_s: float = _START_TIMEOUT_S, key: str | None = None, cpus: Sequence[int] = (),
+                 rpc: Sequence[str] = (), name: str = "llama-server"):
         if settings.executable is None:
             raise EngineError("LlamaServerProcess needs settings.executable (hardware.runtime_path)")
         port = free_port()
-        argv = [*command(settings.executable, settings, port), "--no-webui"]
+        # cpus: the cores it is pinned to (a replica's); rpc: the rpc-servers its layers run on.
+        argv = pinned([*command(settings.executable, settings, port, rpc=rpc), "--no-webui"], cpus)
         # Its loopback port is reachable by every user of the host: it demands a random key, given
         # through the environment (readable by this user only, unlike the command line in ps).
-        self._key = secrets.token_urlsafe(32)
+        # Replicas behind one router share their key (``key``).
+        self._key = key or secrets.token_urlsafe(32)
         env = {"LLAMA_API_KEY": self._key}
-        self.supervised = Supervised(lambda: _started(argv, env, port, start_timeout_s), name="llama-server")
+        self.supervised = Supervised(lambda: started(argv, env, port, start_timeout_s, name=name), name=name)
         # Stop the child once nothing refers to this object any more, like an xllamacpp.Server
         # whose last reference goes (the one-resident rule in .engine drops servers that way).
         self._finalizer = weakref.finalize(self, self.supervised.stop)
@@ -129,6 +138,11 @@ class LlamaServerProcess:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def pids(self) -> list[int]:
+        """Every process this server runs on (one here; a split or replicated plan's parts too):
+        their memory and CPU time are the engine's."""
+        return [self.pid]
 
     def health(self) -> str | None:
         """Why this server cannot answer now (its child restarting, or not answering /health), or None.
@@ -215,8 +229,8 @@ class LlamaServerProcess:
         return None
 
 
-def _started(argv: list[str], env: dict[str, str], port: int, timeout_s: float) -> ServerProcess:
-    """Start ``argv`` and return it once its /health answers 200.
+def started(argv: list[str], env: dict[str, str], port: int, timeout_s: float, *, name: str = "llama-server") -> ServerProcess:
+    """Start ``argv`` (a llama-server, or a router in front of some) and return it once its /health answers 200.
 
     Raises:
         EngineError: it exited or was not serving within ``timeout_s`` (with its last log lines).
@@ -226,7 +240,7 @@ def _started(argv: list[str], env: dict[str, str], port: int, timeout_s: float) 
     while time.perf_counter() - start < timeout_s:
         if not process.alive():
             process.stop()
-            raise EngineError(f"llama-server exited with status {process.proc.returncode} while loading; its log ({process.log_path}) ends:\n{process.log_tail()}")
+            raise EngineError(f"{name} exited with status {process.proc.returncode} while loading; its log ({process.log_path}) ends:\n{process.log_tail()}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
             conn.request("GET", "/health")
@@ -239,7 +253,7 @@ def _started(argv: list[str], env: dict[str, str], port: int, timeout_s: float) 
             pass  # not listening yet
         time.sleep(0.05)
     process.stop()
-    raise EngineError(f"llama-server was not serving after {timeout_s:.0f} s; its log ({process.log_path}) ends:\n{process.log_tail()}")
+    raise EngineError(f"{name} was not serving after {timeout_s:.0f} s; its log ({process.log_path}) ends:\n{process.log_tail()}")
 
 
 def _error(response: http.client.HTTPResponse) -> dict[str, Any]:

@@ -31,7 +31,8 @@ class LlamaServer(SlotServer):
         super().__init__(engine, **kwargs)
         # Never admit more requests than llama.cpp has slots: a request beyond them would wait
         # inside llama.cpp, where this server can neither time it out nor see it queued.
-        self.in_flight = min(self.in_flight, engine.settings.slots)
+        # Replicas behind a router: each has the plan's slots.
+        self.in_flight = min(self.in_flight, engine.settings.slots) * engine.settings.replicas
 
     def _work(self, ticket: Ticket) -> None:
         """Run one ticket on this slot thread, from admission to its terminal state."""

@@ -25,12 +25,13 @@ from ...engine.capabilities import Refusal
 from ...engine.capabilities import refusals as table_refusals
 from ...tower.batch_sizes import N_BATCH_DEFAULT, N_UBATCH_DEFAULT, batch_problems
 from ...tower.plan import Plan
-from .process import executable_problem, resolve_executable
 from ...weights.ladder import GGUF_METHODS
 from .model_file import DTYPE_TYPES
+from .placement_rules import PLACEMENT_REFUSALS
+from .process import executable_problem, resolve_executable
 
 __all__ = ["KV_CACHE_TYPES", "N_BATCH_DEFAULT", "N_UBATCH_DEFAULT", "REFUSALS", "ServerSettings", "batch_problems", "common_params", "describe", "llama_seed",
-           "refusals", "request_body", "server_settings"]
+           "refusals", "replica_cores", "request_body", "server_settings"]
 
 # plan.model.kv_bits -> llama.cpp cache type (ggml block formats: 32 values per block with one f16
 # scale; q8_0 = 34 bytes per block, q4_0 = 18). llama.cpp has no 2-bit KV cache type.
@@ -65,6 +66,13 @@ class ServerSettings:
     n_batch: int | None = None  # tokens per llama_decode call; None = llama.cpp's default (N_BATCH_DEFAULT)
     n_ubatch: int | None = None  # tokens per forward pass; None = llama.cpp's default (N_UBATCH_DEFAULT)
     executable: str | None = None  # a llama-server to run as a child process (.process); None = xllamacpp in this process
+    # Placement (.placed): rpc-servers started here and already running elsewhere, the address the
+    # started ones listen on; copies of the server behind a router, and the cores each is pinned to.
+    rpc_workers: int = 0
+    rpc_endpoints: tuple[str, ...] = ()
+    rpc_bind: str = "127.0.0.1"
+    replicas: int = 1
+    replica_cores: int | None = None
 
     @property
     def context_per_request(self) -> int:
@@ -143,7 +151,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("hardware.runtime_url", lambda p: p.hardware.runtime_url is not None,
             "a running server is vLLM's option; the llama_cpp runtime starts its own llama-server (runtime_path) or runs xllamacpp in this process"),
     *(Refusal(f"hardware.{name}", lambda p, n=name: getattr(p.hardware, n) != 1,
-              "splitting a model over GPUs is vLLM's (runtime: vllm); this llama.cpp build runs on one CPU") for name in ("tensor_parallel", "pipeline_parallel")),
+              "vLLM's split of each layer or of the stack over devices (runtime: vllm); llama.cpp spreads a model's layers over rpc-servers "
+              "(split: {rpc_workers: N} or rpc_endpoints)") for name in ("tensor_parallel", "pipeline_parallel")),
+    *PLACEMENT_REFUSALS,
     Refusal("hardware.prepack", lambda p: bool(p.hardware.prepack), "oneDNN prepacking is a torch feature; llama.cpp repacks quantized weights for the CPU by itself"),
     Refusal("model.quant_method", lambda p: _gguf(p) and (p.model.quant_method, p.model.weight_bits) not in GGUF_METHOD_BITS,
             f"the gguf backend writes {', '.join(f'{q} ({b} bits)' for q, b in GGUF_METHOD_BITS)}"),
@@ -198,6 +208,9 @@ def server_settings(plan: Plan, model_path: str, *, physical_cores: int | None =
     threads = hw.threads
     if not isinstance(threads, int):
         threads = physical_cores
+    cores = replica_cores(plan, physical_cores)
+    if cores is not None:  # a pinned replica runs no more threads than its cores
+        threads = min(threads, cores) if isinstance(threads, int) else cores
     cache_type = KV_CACHE_TYPES[m.kv_bits] if m.kv_cache == "quantized" else "f16"
     return ServerSettings(
         model_path=model_path,
@@ -211,7 +224,20 @@ def server_settings(plan: Plan, model_path: str, *, physical_cores: int | None =
         n_batch=hw.n_batch,
         n_ubatch=hw.n_ubatch,
         executable=str(resolve_executable(hw.runtime_path)) if hw.runtime_path is not None else None,
+        rpc_workers=hw.rpc_workers, rpc_endpoints=tuple(hw.rpc_endpoints), rpc_bind=hw.rpc_bind,
+        replicas=s.replicas, replica_cores=cores,
     )
+
+
+def replica_cores(plan: Plan, physical_cores: int | None) -> int | None:
+    """The cores each replica is pinned to: the plan's, else the physical cores shared out; None
+    for one replica the plan does not pin."""
+    s = plan.scheduling
+    if s.replica_cores is not None:
+        return s.replica_cores
+    if s.replicas > 1:
+        return max(1, (physical_cores or 1) // s.replicas)
+    return None
 
 
 def common_params(settings: ServerSettings) -> Any:

@@ -18,6 +18,11 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("hardware.runtime_url", lambda p: p.hardware.runtime_url is not None, "a running vLLM server"),
     Refusal("hardware.tensor_parallel", lambda p: p.hardware.tensor_parallel != 1, "vLLM's tensor parallelism (transformers places layers with device_map)"),
     Refusal("hardware.pipeline_parallel", lambda p: p.hardware.pipeline_parallel != 1, "vLLM's pipeline parallelism (transformers places layers with device_map)"),
+    *(Refusal(f"hardware.{name}", lambda p, n=name: bool(getattr(p.hardware, n)) and getattr(p.hardware, n) != "127.0.0.1",
+              "llama.cpp's split over rpc-servers (transformers places layers with device_map)") for name in ("rpc_workers", "rpc_endpoints", "rpc_bind")),
+    Refusal("scheduling.replicas", lambda p: p.scheduling.replicas != 1 or p.scheduling.replica_cores is not None,
+            lambda p: (f"scheduling.replicas={p.scheduling.replicas}: copies of the plan run as server processes behind a router; the transformers runtime "
+                       "serves in this process (llama_cpp with a llama-server executable, or vllm, offer replicas)")),
     Refusal("hardware.n_batch", lambda p: p.hardware.n_batch is not None, "llama.cpp's tokens per decode call; transformers' continuous batching takes its "
             "tokens per step from scheduling.cb_max_batch_tokens (batching pass, max_batch_tokens)"),
     Refusal("hardware.n_ubatch", lambda p: p.hardware.n_ubatch is not None, "llama.cpp's tokens per forward pass; transformers runs a prompt's prefill in one forward pass"),

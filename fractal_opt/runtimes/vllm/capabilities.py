@@ -41,6 +41,9 @@ CAPABILITIES = Capabilities(
               pause="each `vllm serve` child's process group (server, engine core, workers) is stopped (SIGSTOP, SIGCONT after) during other engines' rounds",
               evict="evict_except / clear_cache stop the servers of other plans"),
     export_targets=("vllm",),
+    # Its own: -tp / -pp over GPUs or, on the CPU build, over cores (each rank bound to its own);
+    # replicas are its data-parallel ranks behind its own front end (--data-parallel-size).
+    placements=frozenset({"tensor_parallel", "pipeline_parallel", "replicas"}),
     evict="fractal_opt.runtimes.vllm:evict_except",
     clear="fractal_opt.runtimes.vllm:clear_cache",
 )

@@ -34,7 +34,8 @@ from ...weights.prompts import prompt_format, prompt_ids
 from ...weights.tokenizers import load_tokenizer
 from ...workloads.workload import Request
 from . import cache
-from .engine_args import _CONTINUOUS_DEFAULT_IN_FLIGHT, engine_args, refusals, sampling, server_env
+from ...weights.heads import tensor_parallel_problem
+from .engine_args import _CONTINUOUS_DEFAULT_IN_FLIGHT, engine_args, ranks, refusals, sampling, server_env
 from .openai_client import OpenAIClient
 from .process import VllmProcess, find_executable, find_url, free_port, wait_started
 
@@ -83,6 +84,8 @@ class VllmEngine(Engine):
     def refuse(cls, plan: Plan) -> str | None:
         """Why vLLM cannot serve ``plan``: one reason per field it cannot honour, or None."""
         reasons = refusals(plan)
+        if plan.hardware.tensor_parallel > 1 and (why := tensor_parallel_problem(plan.source, plan.hardware.tensor_parallel)):
+            reasons.append(f"hardware.tensor_parallel={plan.hardware.tensor_parallel}: {why}")
         return "; ".join(reasons) if reasons else None
 
     @classmethod
@@ -107,7 +110,7 @@ class VllmEngine(Engine):
         model_dir = materialize(resolve(plan.source), progress=progress)
         draft = materialize(resolve(plan.application.draft), progress=progress) if plan.application.draft else None
         args = engine_args(plan, draft_model=draft)
-        cores = (machine or Machine.probe()).physical_cores if plan.hardware.threads == "auto" else None
+        cores = (machine or Machine.probe()).physical_cores if plan.hardware.threads == "auto" or ranks(plan) > 1 else None
         env = server_env(plan, physical_cores=cores)
 
         def start() -> tuple[VllmProcess, float]:

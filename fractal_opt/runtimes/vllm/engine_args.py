@@ -27,7 +27,7 @@ from ...engine.capabilities import Refusal
 from ...engine.capabilities import refusals as table_refusals
 from ...serving.sampling import Decoding
 
-__all__ = ["FIELDS", "REFUSALS", "engine_args", "refusals", "sampling", "server_env"]
+__all__ = ["FIELDS", "REFUSALS", "engine_args", "ranks", "refusals", "sampling", "server_env", "threads_bind"]
 
 # Where each plan field goes. "arg": a `vllm serve` flag; "env": the server's environment;
 # "request": a per-request JSON field; "client": the HTTP client / fractal_opt's Server (queue,
@@ -39,6 +39,9 @@ FIELDS: dict[str, str] = {
     "hardware.runtime_url": "select",
     "hardware.tensor_parallel": "arg",
     "hardware.pipeline_parallel": "arg",
+    "hardware.rpc_workers": "refuse",
+    "hardware.rpc_endpoints": "refuse",
+    "hardware.rpc_bind": "refuse",
     "hardware.flash_attention": "refuse",
     "hardware.n_batch": "refuse",
     "hardware.n_ubatch": "refuse",
@@ -76,6 +79,9 @@ FIELDS: dict[str, str] = {
     "scheduling.cb_page_size": "arg",
     "scheduling.cb_max_memory_percent": "arg",
     "scheduling.cb_scheduler": "refuse",
+    "scheduling.replicas": "arg",
+    "scheduling.replica_cores": "refuse",
+    "scheduling.router": "refuse",
     "application.max_new_tokens": "request",
     "application.stop": "request",
     "application.do_sample": "request",
@@ -184,9 +190,13 @@ REFUSALS: tuple[Refusal, ...] = (
         "speculative method at a time.")),
     Refusal("application.draft", lambda p: bool(p.application.prompt_lookup_tokens or p.application.draft) and _on_cpu(p), lambda p: (
         f"application.{_speculation_field(p)}={getattr(p.application, _speculation_field(p))!r}: speculative decoding is not supported by vLLM's CPU build.")),
-    Refusal("hardware.tensor_parallel", lambda p: _on_cpu(p) and (p.hardware.tensor_parallel > 1 or p.hardware.pipeline_parallel > 1), lambda p: (
-        f"hardware.tensor_parallel={p.hardware.tensor_parallel}, pipeline_parallel={p.hardware.pipeline_parallel}: parallelism over devices needs "
-        "GPUs (or several CPU sockets with vLLM's own launcher).")),
+    *(Refusal(f"hardware.{name}", lambda p, n=name: bool(getattr(p.hardware, n)) and getattr(p.hardware, n) != "127.0.0.1",
+              "llama.cpp's split over rpc-servers; vLLM splits a model with tensor / pipeline parallel (split: {tensor: N})")
+      for name in ("rpc_workers", "rpc_endpoints", "rpc_bind")),
+    Refusal("scheduling.replica_cores", lambda p: p.scheduling.replica_cores is not None,
+            "vLLM binds each data-parallel rank's threads itself (its CPU build: VLLM_CPU_OMP_THREADS_BIND, set from the machine's cores)"),
+    Refusal("scheduling.router", lambda p: p.scheduling.router not in ("auto",),
+            lambda p: f"scheduling.router={p.scheduling.router!r}: vLLM's replicas are its data-parallel ranks behind its own front end (router: auto)"),
 )
 
 
@@ -263,10 +273,27 @@ def engine_args(plan: Any, *, draft_model: str | None = None) -> list[str]:
         args += ["--tensor-parallel-size", str(hw.tensor_parallel)]
     if hw.pipeline_parallel > 1:
         args += ["--pipeline-parallel-size", str(hw.pipeline_parallel)]
+    if s.replicas > 1:
+        args += ["--data-parallel-size", str(s.replicas)]  # vLLM's own data-parallel ranks behind its own front end
+    if _on_cpu(plan) and ranks(plan) > 1:
+        # The CPU build runs each rank as a process of its own (its multiprocessing executor; Ray is for GPU nodes).
+        args += ["--distributed-executor-backend", "mp"]
     spec = _speculative(plan, draft_model)
     if spec:
         args += ["--speculative-config", json.dumps(spec, sort_keys=True)]
     return args
+
+
+def ranks(plan: Any) -> int:
+    """vLLM worker processes the plan runs: tensor x pipeline x data-parallel degrees."""
+    return plan.hardware.tensor_parallel * plan.hardware.pipeline_parallel * plan.scheduling.replicas
+
+
+def threads_bind(plan: Any, cpus: list[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for the CPU build: one block of ``cpus`` per rank, ``|`` between ranks ("0|1": rank 0 on CPU 0, rank 1 on CPU 1)."""
+    n = ranks(plan)
+    each = max(1, len(cpus) // n)
+    return "|".join(",".join(str(c) for c in cpus[i * each:(i + 1) * each]) for i in range(n))
 
 
 def _speculative(plan: Any, draft_model: str | None) -> dict[str, Any] | None:
@@ -295,6 +322,12 @@ def server_env(plan: Any, *, physical_cores: int | None = None) -> dict[str, str
         env["CUDA_VISIBLE_DEVICES"] = str(plan.hardware.device).split(":", 1)[1]
     if plan.hardware.device == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
+    if _on_cpu(plan) and ranks(plan) > 1:
+        import os
+
+        cpus = sorted(os.sched_getaffinity(0))[: physical_cores or None]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind(plan, cpus)  # each rank on its own cores (vLLM's CPU installation docs)
+        env.pop("OMP_NUM_THREADS", None)  # the bind sets each rank's count
     # The CPU build's KV-cache size ($VLLM_CPU_KVCACHE_SPACE, GiB) is no plan field: the server
     # inherits it from the caller's environment.
     return env
