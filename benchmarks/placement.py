@@ -254,4 +254,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from fractal_opt.core.quiet import quiet_third_party
+
+    quiet_third_party()  # torchao's and torch's import-time warnings and load bars would come before the first line
     raise SystemExit(main())
