@@ -89,6 +89,9 @@ class Capabilities:
         idle: what an idle instance costs, and how it is paused and evicted.
         telemetry: the keys it adds to a measurement's ``extra`` that the trace keeps.
         export_targets: the ``fractal-opt export --to`` targets that run this same runtime.
+        knobs: what a search tries on this runtime beside its weight ladder: ``(pass, params,
+            why)`` rows, ``why`` one line saying what the knob attacks (a ``runtime`` row is a way to
+            reach the runtime, tried from any other; the other rows only on a plan it serves).
         evict: ``evict(keep)``: drop cached instances whose ``Plan.weights_key()`` is not in ``keep``.
         clear: ``clear()``: drop every cached instance.
     """
@@ -108,6 +111,7 @@ class Capabilities:
     idle: Idle = field(default_factory=Idle)
     telemetry: tuple[str, ...] = ()
     export_targets: tuple[str, ...] = ()
+    knobs: tuple[tuple[str, dict[str, Any], str], ...] = ()
     evict: str | Callable[[set[tuple]], None] | None = None
     clear: str | Callable[[], None] | None = None
 

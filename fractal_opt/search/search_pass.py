@@ -1,0 +1,177 @@
+"""The ``search`` pass: a layer's candidates generated, screened, then judged, within the time budget.
+
+A recipe writes ``search`` (or ``{search: {...}}``) in a layer's list; the layer's search
+proposes one candidate at a time (:meth:`Search.next_step`) from what the runtimes, the model, the
+machine and the load offer the kept plan now (:func:`.candidates.generate`), most promising first
+by the roofline's prediction. The runner measures each like any step, one change at a time against
+the last kept plan: a kept candidate changes the plan, and the next candidates are generated for
+the new one (on llama.cpp its own knobs; after BF16 weights the ladder below them). Each candidate
+first gets a short paired screen (:meth:`Search.screens`, :mod:`fractal_opt.measure.screen`), and
+only one whose screen interval can still beat the kept plan by ``min_effect`` gets the full rounds
+and the quality gate.
+
+The time budget (``workload.budget_s``, ``run --budget``): the runner says how much of it this
+search may spend (:class:`~fractal_opt.tower.passes.SearchContext`), and the search proposes a
+candidate only while the time a candidate has taken so far fits in what is left; the trace's
+answer names what it did not try.
+
+Example:
+    >>> from fractal_opt.tower.passes import Layer
+    >>> search_for(Layer.MODEL)(screen=False).describe()
+    'search(screen=False)'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..core.errors import RecipeError, closest
+from ..layers import passes_by_layer
+from ..tower.passes import Layer, Pass, SearchContext, StepResult
+from ..tower.plan import Plan
+from .candidates import Candidate, generate
+
+__all__ = ["HardwareSearch", "ModelSearch", "SchedulingSearch", "Search", "search_for"]
+
+# A candidate the roofline predicts slower than the kept plan by more than this share is not tried
+# (switching back to float32 from BF16 weights, say): its bytes alone cost more than min_effect.
+SLOWER = 0.95
+# What a candidate is guessed to cost before one has been measured in this run (seconds): only
+# the budget's check reads it, and a run with no budget never does.
+FIRST_GUESS_S = 30.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Search(Pass):
+    """Try what the runtimes, the model, the machine and the load offer this layer, most promising first.
+
+    ``screen``: each candidate first gets one short paired round against the kept plan, and only
+    a candidate whose screen interval can still beat it by min_effect gets the full rounds and the
+    quality gate (false: every candidate judged in full, as benchmarks/search.py compares).
+    ``only``: the passes to draw candidates from (empty: all), e.g. ``[runtime, quantize]``.
+    ``max_candidates``: at most this many candidates measured.
+    """
+
+    name: ClassVar[str] = "search"
+    layer: ClassVar[Layer]
+
+    screen: bool = True
+    only: tuple[str, ...] = ()
+    max_candidates: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_candidates < 1:
+            raise RecipeError(f"pass 'search', parameter 'max_candidates': got {self.max_candidates}, expected an integer >= 1.")
+        mine = sorted(cls.name for cls in passes_by_layer()[self.layer])
+        for name in self.only:
+            if name not in mine:
+                raise RecipeError(f"pass 'search' under {self.layer.section}, parameter 'only': {name!r} is not a pass of this layer; "
+                                  f"its passes are {mine}.{closest(name, mine)}")
+
+    def apply(self, plan: Plan) -> Plan:
+        return plan  # never applied itself: its steps are the candidates it proposes
+
+    def screens(self) -> bool:
+        return self.screen
+
+    def candidates(self, context: SearchContext, history: Sequence[StepResult] = ()) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
+        """The candidates still open on ``context``'s kept plan (not tried, not skipped, not
+        predicted slower), and those left out with why."""
+        tried = {r.step for r in history}
+        open_, left = [], []
+        for c in generate(self.layer, context):
+            if c.p in tried or (self.only and c.p.name not in self.only):
+                continue
+            if c.predicted < SLOWER:
+                left.append((c, f"the roofline predicts it {c.predicted:.2f}x the kept plan's decode"))
+            elif context.skip is not None and (why := context.skip(c.p, context.plan)) is not None:
+                left.append((c, why.removeprefix("check: ")))
+            else:
+                open_.append(c)
+        return open_, left
+
+    def next_step(self, history: Sequence[StepResult], *, context: SearchContext | None = None) -> Pass | None:
+        """The most promising open candidate, while fewer than ``max_candidates`` were measured and
+        the time a candidate has taken so far fits in the budget left (None: done)."""
+        if context is None or len(history) >= self.max_candidates:
+            return None
+        open_, _ = self.candidates(context, history)
+        if not open_ or not _fits(context, self.screen):
+            return None
+        return open_[0].p
+
+    def conclusion(self, history: Sequence[StepResult], *, guards: Sequence[Any] = (), context: SearchContext | None = None) -> dict[str, Any]:
+        """What the search tried and found: every candidate's status, the kept ones, and what it
+        did not try (with why: the budget, max_candidates, a skip, the roofline)."""
+        counts = {s: sum(r.status == s for r in history) for s in ("screened_out", "kept", "rolled_back", "failed", "skipped", "unchanged")}
+        considered = counts["screened_out"] + counts["kept"] + counts["rolled_back"]
+        kept = [r.step.describe() for r in history if r.status == "kept"]
+        not_tried: list[dict[str, str]] = []
+        if context is not None:
+            open_, left = self.candidates(context, history)
+            stop = "max_candidates reached" if len(history) >= self.max_candidates else "the time budget left no room for it"
+            not_tried = [{"pass": c.p.describe(), "why": stop} for c in open_] + [{"pass": c.p.describe(), "why": why} for c, why in left]
+        answer = (f"{considered} candidates considered ({counts['screened_out']} screened out, {counts['kept'] + counts['rolled_back']} judged in full, "
+                  f"{counts['kept']} kept): " + (", ".join(kept) if kept else "none kept"))
+        budget_left = [t["pass"] for t in not_tried if t["why"] in ("the time budget left no room for it", "max_candidates reached")]
+        if budget_left:
+            answer += f"; not tried ({not_tried[0]['why']}): " + ", ".join(budget_left)
+        return {"pass": self.name, "layer": self.layer.section, "answer": answer, "considered": considered, **counts,
+                "candidates": [{"pass": r.step.describe(), "status": r.status, "outcome": r.outcome, "reason": r.reason} for r in history],
+                "not_tried": not_tried, "summary": _summary(history)}
+
+
+def _fits(context: SearchContext, screen: bool) -> bool:
+    """Whether one more candidate fits in the budget left: its expected time is the mean of the
+    screened candidates so far when screening (most stop there), else of the fully judged ones."""
+    if context.remaining_s is None:
+        return True
+    steps = context.step_s or {}
+    expected = steps.get("screened_out" if screen else "judged") or steps.get("judged") or FIRST_GUESS_S
+    return context.remaining_s >= expected
+
+
+def _summary(history: Sequence[StepResult]) -> str:
+    """``runtime(...) rolled back (guard); quantize(...) screened out; ...``."""
+    words = {"screened_out": "screened out", "rolled_back": "rolled back", "unchanged": "changes nothing"}
+    return "; ".join(f"{r.step.describe()} {words.get(r.status, r.status)}" + (f" ({r.outcome})" if r.outcome and r.status == "rolled_back" else "")
+                     for r in history) or "no candidate"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareSearch(Search):
+    """The hardware layer's search: runtimes, their builds and knobs, threads, bfloat16."""
+
+    layer = Layer.HARDWARE
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSearch(Search):
+    """The model layer's search: the weight ladder on a GGUF runtime, the runtime's KV and weight knobs."""
+
+    layer = Layer.MODEL
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulingSearch(Search):
+    """The scheduling layer's search: continuous batching and slots sized from the load."""
+
+    layer = Layer.SCHEDULING
+
+
+_SEARCHES: dict[Layer, type[Search]] = {Layer.HARDWARE: HardwareSearch, Layer.MODEL: ModelSearch, Layer.SCHEDULING: SchedulingSearch}
+
+
+def search_for(layer: Layer) -> type[Search]:
+    """The ``search`` pass of ``layer`` (one class a layer, since a pass's layer is its class's).
+
+    Raises:
+        RecipeError: a layer whose candidates are not generated (application).
+    """
+    if layer not in _SEARCHES:
+        valid = [x.section for x in _SEARCHES]
+        raise RecipeError(f"pass 'search' generates candidates for the layers {valid}, not {layer.section!r}: list that layer's passes by hand.")
+    return _SEARCHES[layer]
+

@@ -1,0 +1,96 @@
+"""The search pass on the fake engine: candidates generated, screened, then judged; the screen keeps a winner it should keep."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import small_recipe_dict
+
+from fractal_opt.core.errors import RecipeError
+from fractal_opt.language.recipe import load_recipe
+from fractal_opt.measure.machine_limits import MachineLimits
+from fractal_opt.pipeline.runner import Pipeline
+from fractal_opt.search.search_pass import HardwareSearch, ModelSearch, search_for
+from fractal_opt.testing import FakeEngine, cpu_machine
+from fractal_opt.tower.passes import Layer
+
+LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
+BF16_MACHINE = {"cpu_flags": frozenset({"avx512f", "avx512_bf16"})}
+# The machine's round-to-round noise: the float32 plan's serve calls alternate 4% apart, so one
+# round's paired change strays about 4% either way (the A/A calibration measures it).
+NOISY = {"hardware.dtype": {"float32": (1.0, 1.04) * 20}}
+
+
+def _run(recipe, **fake):
+    return Pipeline(recipe, progress=False, machine=cpu_machine(**BF16_MACHINE), build=FakeEngine.factory(**fake), refuse=FakeEngine.refuse,
+                    limits=LIMITS).run()
+
+
+def _recipe(fake_model, search, **workload):
+    wl = {"repeats": 4, "max_repeats": 8, **workload}
+    return small_recipe_dict(fake_model, passes={"hardware": [{"search": search}]}, policy={"guards": {"ttft_ms": None}}, **wl)
+
+
+def test_a_candidate_slower_in_its_first_round_but_faster_over_full_rounds_is_kept(fake_model):
+    """bfloat16 is about 4% slower than the kept plan in the screen's round and 50% faster in every round
+    after it: within the screen's interval (the calibration's round-to-round noise), so it gets the
+    full rounds and is kept; no candidate is dropped by an unlucky first round."""
+    speeds = {**NOISY["hardware.dtype"], "bfloat16": (1.0, 1.0, 1.5)}
+    result = _run(_recipe(fake_model, {"only": ["dtype"]}), round_speed={"hardware.dtype": speeds})
+    (step,) = result.trace.steps
+    assert step.params == {"dtype": "bfloat16"}
+    assert step.metrics["comparison"]["screen"]["change"] < 0 < step.metrics["comparison"]["screen"]["interval"][1] - 0.05
+    assert step.status == "kept", step.reason
+    assert result.plan.hardware.dtype == "bfloat16"
+
+
+def test_a_candidate_far_behind_is_screened_out_with_its_screen_numbers(fake_model):
+    """A candidate at half the kept plan's speed stops after one paired round: status screened_out,
+    its screen numbers in the trace, no quality scored, and the search's answer counts it."""
+    result = _run(_recipe(fake_model, {"only": ["dtype"]}), speed={"hardware.dtype": {"bfloat16": 0.5}}, round_speed=NOISY)
+    (step,) = result.trace.steps
+    assert step.status == "screened_out"
+    screen = step.metrics["screen"]
+    assert screen["rounds"] == 1 and screen["change"] < -0.3 and screen["interval"][1] < 0.05 and not screen["passed"]
+    assert step.reason.startswith("screened out: decode_tokens_per_s")
+    assert "kl_mean" not in step.metrics.get("quality", {})
+    assert result.plan.hardware.dtype == "float32"
+    (found,) = result.trace.searches
+    assert found["screened_out"] == 1 and found["considered"] == 1
+    assert found["answer"].startswith("1 candidates considered (1 screened out, 0 judged in full, 0 kept)")
+
+
+def test_without_screening_every_candidate_gets_the_full_rounds(fake_model):
+    """screen: false judges the same slow candidate in full: rolled back, never screened_out."""
+    result = _run(_recipe(fake_model, {"only": ["dtype"], "screen": False}), speed={"hardware.dtype": {"bfloat16": 0.5}})
+    (step,) = result.trace.steps
+    assert step.status == "rolled_back" and "screen" not in step.metrics["comparison"]
+
+
+def test_a_kept_candidate_changes_what_is_generated_next(fake_model):
+    """One change at a time: after bfloat16 is kept, the next candidates are generated for the new
+    plan (threads), and each candidate is tried once."""
+    result = _run(_recipe(fake_model, {"only": ["dtype", "threads"]}), speed={"hardware.dtype": {"bfloat16": 2.0}})
+    tried = [s.params for s in result.trace.steps]
+    assert tried[0] == {"dtype": "bfloat16"} and result.trace.steps[0].status == "kept"
+    assert {"count": "auto"} in tried and len(tried) == len({str(t) for t in tried})
+
+
+def test_the_budget_stops_the_search_and_says_what_it_did_not_try(fake_model):
+    """With a budget shorter than the baseline, nothing is tried: the steps are skipped with the
+    budget's reason, and the final plan is the baseline."""
+    result = _run(_recipe(fake_model, {"only": ["dtype", "threads"]}, budget_s=0.01), speed={"hardware.dtype": {"bfloat16": 2.0}})
+    (step,) = result.trace.steps
+    assert step.status == "skipped" and "time budget" in step.reason
+    assert result.plan.hardware.dtype == "float32"
+
+
+def test_a_recipe_says_search_under_a_layer_and_bad_parameters_are_refused(fake_model):
+    """``search`` is one class a layer; ``only`` names that layer's passes (the closest name is
+    suggested), and the application layer has no generated candidates."""
+    recipe = load_recipe(small_recipe_dict(fake_model, passes={"hardware": ["search"], "model": [{"search": {"only": ["quantize"]}}]}))
+    assert [type(p) for p in recipe.passes] == [HardwareSearch, ModelSearch]
+    assert load_recipe(recipe.to_dict()).passes == recipe.passes
+    with pytest.raises(RecipeError, match="'quantise' is not a pass of this layer.*quantize"):
+        ModelSearch(only=("quantise",))
+    with pytest.raises(RecipeError, match="not 'application'"):
+        search_for(Layer.APPLICATION)
