@@ -74,11 +74,14 @@ class PassSteps:
                 raise FractalOptError(f"pass {self.source.name}: record() each step before asking for the next.")
             self._next = self.source.next_step(tuple(self.history), context=self._context())
 
-    def record(self, step: Pass, status: str, outcome: str = "", reason: str = "") -> None:
-        """How ``step`` ended (the trace's status, the verdict's outcome and the step's reason)."""
+    def record(self, step: Pass, status: str, outcome: str = "", reason: str = "", *, metrics: dict[str, Any] | None = None,
+               plan: dict[str, Any] | None = None) -> None:
+        """How ``step`` ended (the trace's status, the verdict's outcome and the step's reason; its
+        metrics, for the quality guards that stopped it, and the plan it measured)."""
         if status == "skipped" and reason.startswith(UNCHANGED):
             status = "unchanged"
-        self.history.append(StepResult(step=step, status=status, outcome=outcome, reason=reason))
+        quality = tuple(((metrics or {}).get("tripped") or {}).get("quality", ()))
+        self.history.append(StepResult(step=step, status=status, outcome=outcome, reason=reason, quality_tripped=quality, plan=plan or None))
 
     def label(self, index: int, total: int) -> str:
         """``[3/5]`` (pass 3 of 5), with ``search step k`` for the k-th step of a search."""

@@ -124,7 +124,7 @@ class Pipeline:
                 label = f"{steps.label(index, len(passes))} {s.layer.section}/{s.describe()}"
                 step = Step(pass_name=s.name, layer=s.layer.section, params=s.params(), status="", reason="")
                 outcome = self._try(s, p if steps.searches else None, step, label, machine)
-                steps.record(s, step.status, outcome, step.reason)
+                steps.record(s, step.status, outcome, step.reason, metrics=step.metrics, plan=step.plan)
                 self._record(step, outcome)
             if (found := steps.conclusion(self.recipe.policy.guards_for(p.layer))) is not None:  # a search's answer
                 self._trace.searches.append(found)

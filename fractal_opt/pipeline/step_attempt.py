@@ -24,6 +24,7 @@ from typing import Any
 from ..core.machine import Machine
 from ..core.text import fmt
 from ..engine.protocol import Engine
+from ..language.guards import QUALITY_METRICS
 from ..language.policy import Verdict
 from ..language.recipe import Recipe
 from ..measure.metrics import METRICS, Measurement
@@ -177,6 +178,8 @@ def _judge(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, kep
     verdict = unscored[1] if unscored else _verdict(env, p, step, kept, cmp, quality)
     step.changes, step.bands = verdict.changes, verdict.bands
     step.metrics["guards"] = verdict.guards  # the guards in force, for the report
+    if verdict.tripped:  # which guards stopped the step (a search does not try the same weights again after a quality guard)
+        step.metrics["tripped"] = {"guards": verdict.tripped, "quality": [m for m in verdict.tripped if m in QUALITY_METRICS]}
     step.plan = candidate.to_dict()
     keep, step.reason = verdict.kept, verdict.reason
     if unscored:

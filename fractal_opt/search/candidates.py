@@ -65,10 +65,10 @@ def generate(layer: Layer, context: SearchContext) -> list[Candidate]:
     out, seen = [], set()
     for name, params, why, origin in found:
         p = get_pass(name).from_params(params, where=f"search candidate ({name})")
-        if p in seen:
-            continue
-        seen.add(p)
         after = p.apply(plan)
+        if after in seen:  # two rows that make the same plan (the build for this CPU, on weights already BF16)
+            continue
+        seen.add(after)
         ratio = predicted_ratio(plan_weight_bits(plan, own, context), plan_weight_bits(after, own, context))
         out.append(Candidate(p=p, why=why, predicted=ratio, origin=origin))
     return sorted(out, key=lambda c: -c.predicted)
@@ -105,7 +105,10 @@ Row = tuple[str, dict[str, Any], str, str]  # pass name, params, why, origin
 
 def _hardware(context: SearchContext) -> Iterable[Row]:
     plan, machine = context.plan, context.machine
+    unavailable = context.runtimes.availability(machine) if hasattr(context.runtimes, "availability") else {}
     for caps in context.runtimes:
+        if unavailable.get(caps.name):  # a runtime that cannot run here (vLLM without a GPU, a missing package)
+            continue
         if caps.name != plan.hardware.runtime:
             yield "runtime", {"backend": caps.name}, f"{caps.name}: {caps.summary}; on the model's own weights", "runtime table"
             if caps.weights == "gguf":

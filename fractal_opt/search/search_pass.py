@@ -33,7 +33,7 @@ from ..tower.passes import Layer, Pass, SearchContext, StepResult
 from ..tower.plan import Plan
 from .candidates import Candidate, generate
 
-__all__ = ["HardwareSearch", "ModelSearch", "SchedulingSearch", "Search", "search_for"]
+__all__ = ["SEARCHES", "HardwareSearch", "ModelSearch", "SchedulingSearch", "Search", "search_for"]
 
 # A candidate the roofline predicts slower than the kept plan by more than this share is not tried
 # (switching back to float32 from BF16 weights, say): its bytes alone cost more than min_effect.
@@ -78,19 +78,44 @@ class Search(Pass):
 
     def candidates(self, context: SearchContext, history: Sequence[StepResult] = ()) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
         """The candidates still open on ``context``'s kept plan (not tried, not skipped, not
-        predicted slower), and those left out with why."""
+        predicted slower, the weight ladder's next rung only), and those left out with why."""
         tried = {r.step for r in history}
+        generated = [c for c in generate(self.layer, context) if c.p not in tried and (not self.only or c.p.name in self.only)]
         open_, left = [], []
-        for c in generate(self.layer, context):
-            if c.p in tried or (self.only and c.p.name not in self.only):
-                continue
-            if c.predicted < SLOWER:
-                left.append((c, f"the roofline predicts it {c.predicted:.2f}x the kept plan's decode"))
-            elif context.skip is not None and (why := context.skip(c.p, context.plan)) is not None:
-                left.append((c, why.removeprefix("check: ")))
-            else:
+        for c in generated:
+            why = self._left_out(c, context, history, generated)
+            if why is None:
                 open_.append(c)
+            else:
+                left.append((c, why))
         return open_, left
+
+    def _left_out(self, c: Candidate, context: SearchContext, history: Sequence[StepResult], generated: Sequence[Candidate]) -> str | None:
+        """Why candidate ``c`` is not tried now, or None.
+
+        The weight ladder is walked down one rung at a time, as fituna and an expert do ("8 bits
+        first, then 4"): each rung reads fewer bytes (the roofline's next gain), and once a rung's
+        answers trip a quality guard, the rungs below it (fewer bits a weight) are not tried.
+        """
+        plan = context.plan
+        refused = [r for r in history if r.quality_tripped and r.plan]  # answers a quality guard refused
+        if same := next((r for r in refused if _same_answers(c.p.apply(plan), Plan.from_dict(r.plan))), None):
+            return (f"the same weights in the same types as {same.step.describe()}, whose answers tripped {', '.join(same.quality_tripped)}: "
+                    "another build of the runtime rounds alike up to the order of its sums, so it is not judged again")
+        if c.origin == "weight ladder":
+            above = [r for r in history if r.step.name == c.p.name and _rung_bits(r.step) > _rung_bits(c.p)]
+            if stop := next((r for r in above if r.quality_tripped), None):
+                return f"below {stop.step.describe()} on the weight ladder, whose answers tripped {', '.join(stop.quality_tripped)}: fewer bits a weight are not tried"
+            if waiting := [x for x in generated if x.origin == "weight ladder" and _rung_bits(x.p) > _rung_bits(c.p)]:
+                return f"the weight ladder is walked down one rung at a time: after {min(waiting, key=lambda x: _rung_bits(x.p)).p.describe()}"
+        if any(r.status == "kept" and r.step.name == "runtime" for r in history) and c.p.name == "runtime" \
+                and c.p.apply(plan).hardware.runtime != plan.hardware.runtime:
+            return f"the search moved to {plan.hardware.runtime} because it beat the runtime before it"
+        if c.predicted < SLOWER:
+            return f"the roofline predicts it {c.predicted:.2f}x the kept plan's decode"
+        if context.skip is not None and (why := context.skip(c.p, plan)) is not None:
+            return why.removeprefix("check: ")
+        return None
 
     def next_step(self, history: Sequence[StepResult], *, context: SearchContext | None = None) -> Pass | None:
         """The most promising open candidate, while fewer than ``max_candidates`` were measured and
@@ -121,6 +146,24 @@ class Search(Pass):
         return {"pass": self.name, "layer": self.layer.section, "answer": answer, "considered": considered, **counts,
                 "candidates": [{"pass": r.step.describe(), "status": r.status, "outcome": r.outcome, "reason": r.reason} for r in history],
                 "not_tried": not_tried, "summary": _summary(history)}
+
+
+def _rung_bits(p: Pass) -> float:
+    """Bits a weight of a weight-ladder rung (a quantize pass's gguf method)."""
+    from ..weights.ladder import WEIGHT_TYPES
+
+    method = str(getattr(p, "method", "")).upper()
+    return WEIGHT_TYPES[method].bits if method in WEIGHT_TYPES else 0.0
+
+
+def _same_answers(a: Plan, b: Plan) -> bool:
+    """Whether two plans compute the same next-token distributions up to a runtime's build: the
+    same weights in the same types on the same runtime (``numerics_key``), whichever executable
+    (``runtime_path``) serves them."""
+    def bare(plan: Plan) -> Plan:
+        return plan.replace_section("hardware", runtime_path=None, runtime_url=None)
+
+    return bare(a).numerics_key() == bare(b).numerics_key()
 
 
 def _fits(context: SearchContext, screen: bool) -> bool:
@@ -161,7 +204,7 @@ class SchedulingSearch(Search):
     layer = Layer.SCHEDULING
 
 
-_SEARCHES: dict[Layer, type[Search]] = {Layer.HARDWARE: HardwareSearch, Layer.MODEL: ModelSearch, Layer.SCHEDULING: SchedulingSearch}
+SEARCHES: dict[Layer, type[Search]] = {Layer.HARDWARE: HardwareSearch, Layer.MODEL: ModelSearch, Layer.SCHEDULING: SchedulingSearch}
 
 
 def search_for(layer: Layer) -> type[Search]:
@@ -170,8 +213,8 @@ def search_for(layer: Layer) -> type[Search]:
     Raises:
         RecipeError: a layer whose candidates are not generated (application).
     """
-    if layer not in _SEARCHES:
-        valid = [x.section for x in _SEARCHES]
+    if layer not in SEARCHES:
+        valid = [x.section for x in SEARCHES]
         raise RecipeError(f"pass 'search' generates candidates for the layers {valid}, not {layer.section!r}: list that layer's passes by hand.")
-    return _SEARCHES[layer]
+    return SEARCHES[layer]
 

@@ -76,6 +76,8 @@ class StepResult:
     status: str
     outcome: str = ""
     reason: str = ""  # the step's reason as the trace records it (which guard stopped it, the screen's numbers)
+    quality_tripped: tuple[str, ...] = ()  # the quality guards that stopped it (kl_mean, accuracy, ...): its answers were refused
+    plan: Any = None  # the candidate plan it measured (Plan.to_dict()), when it was built
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -94,3 +94,41 @@ def test_a_recipe_says_search_under_a_layer_and_bad_parameters_are_refused(fake_
         ModelSearch(only=("quantise",))
     with pytest.raises(RecipeError, match="not 'application'"):
         search_for(Layer.APPLICATION)
+
+
+def test_weights_a_quality_guard_refused_are_not_judged_again_in_another_build():
+    """After llama.cpp on the GGUF's own weights tripped the eval, the build for this CPU on the
+    same weights is left out with why; on BF16 weights it is still tried."""
+    from fractal_opt.runtimes import RUNTIMES
+    from fractal_opt.search.search_pass import HardwareSearch
+    from fractal_opt.tower.passes import SearchContext, StepResult
+    from fractal_opt.tower.plan import Plan
+
+    from fractal_opt.layers.hardware import Runtime
+
+    base = Plan(source="smollm2-135m-instruct")
+    wheel = Runtime(backend="llama_cpp")
+    refused = StepResult(step=wheel, status="rolled_back", outcome="guard", quality_tripped=("accuracy",), plan=wheel.apply(base).to_dict())
+    context = SearchContext(plan=base, machine=cpu_machine(**BF16_MACHINE, packages={**cpu_machine().packages, "xllamacpp": "0.2"}), runtimes=RUNTIMES)
+    open_, left = HardwareSearch().candidates(context, (refused,))
+    why = {c.p.describe(): w for c, w in left}
+    assert "accuracy" in why["runtime(backend=llama_cpp, path=native)"]
+    assert "runtime(backend=llama_cpp, path=native, dtype=bfloat16)" in [c.p.describe() for c in open_]
+
+
+def test_the_weight_ladder_is_walked_down_until_a_quality_guard_refuses():
+    """On llama.cpp with BF16 weights the ladder's highest rung below the source (Q4_K_M) comes
+    first; once its answers trip the eval, the rungs with fewer bits a weight are left out, with why."""
+    from fractal_opt.runtimes import RUNTIMES
+    from fractal_opt.tower.passes import SearchContext, StepResult
+    from fractal_opt.tower.plan import Plan
+
+    plan = Plan(source="smollm2-135m-instruct").replace_section("hardware", runtime="llama_cpp", dtype="bfloat16")
+    context = SearchContext(plan=plan, machine=cpu_machine(**BF16_MACHINE), runtimes=RUNTIMES)
+    open_, left = ModelSearch(only=("quantize",)).candidates(context)
+    assert [c.p.method for c in open_] == ["q4_k_m"]
+    assert all("one rung at a time" in why for _, why in left)
+    tripped = StepResult(step=open_[0].p, status="rolled_back", outcome="guard", quality_tripped=("accuracy",))
+    open_, left = ModelSearch(only=("quantize",)).candidates(context, (tripped,))
+    assert open_ == [] and {c.p.method for c, _ in left} == {"q4_0", "iq4_xs"}
+    assert all("tripped accuracy: fewer bits a weight are not tried" in why for _, why in left)
