@@ -40,14 +40,12 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = parser.parse_args()
     from fractal_opt.core.machine import Machine
-    from fractal_opt.core.quiet import quiet_third_party
     from fractal_opt.measure.noise import paired_interval
     from fractal_opt.measure.runner import measure
     from fractal_opt.runtimes import build
     from fractal_opt.tower.plan import Plan
     from fractal_opt.workloads.workload import Workload
 
-    quiet_third_party()
     load_start = os.getloadavg()
     machine = Machine.probe()
     base = Plan(source="smollm2-135m-instruct").replace_section("hardware", runtime="llama_cpp", runtime_path=args.path)
@@ -84,4 +82,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from fractal_opt.core.quiet import quiet_third_party
+
+    quiet_third_party()  # torchao's and torch's import-time warnings and load bars would come before the first line
     sys.exit(main())

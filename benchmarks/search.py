@@ -68,9 +68,6 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="folder for the two runs' outputs (default: a temporary folder)")
     args = parser.parse_args()
     from fractal_opt.core.machine import Machine
-    from fractal_opt.core.quiet import quiet_third_party
-
-    quiet_third_party()
     load_start = os.getloadavg()
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fractal-search-"))
     screened = run(screen=True, out=base / "screened")
@@ -89,4 +86,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from fractal_opt.core.quiet import quiet_third_party
+
+    quiet_third_party()  # torchao's and torch's import-time warnings and load bars would come before the first line
     sys.exit(main())
