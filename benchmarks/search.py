@@ -8,6 +8,8 @@ candidate (``search: {screen: true}``, the default), the second judges every can
 timed by the wall clock.
 
     python benchmarks/search.py --json     # {"screened": {"wall_s", "final_plan", ...}, "full": {...}, "time_ratio", "same_final_plan"}
+    python benchmarks/search.py --part screened --out DIR; ... --part full --out DIR; ... --out DIR --json
+                                           # the two runs one at a time (each kept as DIR/<part>.json), then the comparison
 
 Targets: the same final plan, and the screened search in at most half the full search's time.
 """

@@ -2,9 +2,9 @@
 
 A budget bounds the whole run, the baseline and the final confirmation included. A search is told
 what it may spend (:func:`search_context`): the budget left, less what the run still needs after
-it (the final confirmation, about as long as the baseline's measurement, and a judged step for
-each pass behind the search), and the mean time its screened and judged candidates took so far,
-so it orders its work to fit. Once the budget is spent, the passes still to run are skipped with
+it (the final confirmation, which measures the baseline once a round where its A/A calibration
+measured it twice, so about half that time; and a judged step for each pass and each search behind
+it), and what its screened and judged candidates took so far, so it orders its work to fit. Once the budget is spent, the passes still to run are skipped with
 that reason, and the run confirms the best plan found.
 
 Example:
@@ -30,9 +30,10 @@ __all__ = ["TimeBudget", "parse_duration", "search_context", "step_seconds"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|min)?\s*$")
 _UNIT_S = {None: 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
-# A judged step's time before one has been measured in this run (seconds): the reserve for the
-# passes behind a search reads it.
-_FIRST_STEP_GUESS_S = 30.0
+# A judged step on a tuned plan, reserved for each pass behind a search (seconds): continuous
+# batching took 30 s and the token cap 16 s on the tuned embedded model (recipes/quickstart.yaml,
+# 2-core Intel Xeon, 2026-12-05), where a step against the float32 baseline took 67 s.
+_STEP_RESERVE_S = 30.0
 
 
 def parse_duration(value: str | float | int) -> float:
@@ -73,27 +74,33 @@ class TimeBudget:
 
 
 def step_seconds(steps: Sequence[Step]) -> dict[str, float]:
-    """The mean seconds of the run's ``screened_out`` steps and of its fully judged ones (kept or
-    rolled back), from their timings (build, warm-up, measurement, quality); a key only once one exists."""
+    """The seconds a ``screened_out`` step and a fully judged one (kept or rolled back) take now,
+    from their timings (build, warm-up, measurement, quality): the mean of the screened ones, and
+    the latest judged one (each is measured against the kept plan of its time, and the first ones
+    of a run against the slow baseline: the latest predicts the next best); a key once one exists."""
     spent: dict[str, list[float]] = {"screened_out": [], "judged": []}
     for s in steps:
         kind = "screened_out" if s.status == "screened_out" else "judged" if s.status in ("kept", "rolled_back") else None
         if kind:
             spent[kind].append(sum(v for k, v in s.timings.items() if k.endswith("_s") and isinstance(v, int | float)))
-    return {k: round(statistics.fmean(v), 1) for k, v in spent.items() if v}
+    out = {"screened_out": round(statistics.fmean(spent["screened_out"]), 1)} if spent["screened_out"] else {}
+    return out | ({"judged": round(spent["judged"][-1], 1)} if spent["judged"] else {})
 
 
 def search_context(*, plan: Plan, machine: Machine, workload: Any, trace: Trace, budget: TimeBudget, passes_after: int,
                    skip: Callable[[Pass, Plan], str | None], runtimes: Any) -> SearchContext:
     """What a search may read now (:class:`~fractal_opt.tower.passes.SearchContext`): the budget
-    left less the reserve for what the run still needs after it (``passes_after`` judged steps
-    and the final confirmation, as long as the baseline's measurement)."""
-    timings = step_seconds(trace.steps)
+    left less the reserve for what the run still needs after it (a judged step on the tuned plan
+    for each of the ``passes_after`` passes, and the final confirmation), the times of its steps so
+    far, and the plans whose answers a quality guard refused."""
     left = budget.left()
     if left is not None:
-        confirm_s = float((trace.baseline.timings.get("measure_s") if trace.baseline is not None else None) or 0.0)
-        left -= confirm_s + passes_after * timings.get("judged", _FIRST_STEP_GUESS_S)
-    return SearchContext(plan=plan, machine=machine, workload=workload, skip=skip, runtimes=runtimes, remaining_s=left, step_s=timings)
+        confirm_s = float((trace.baseline.timings.get("measure_s") if trace.baseline is not None else None) or 0.0) / 2
+        left -= confirm_s + passes_after * _STEP_RESERVE_S
+    refused = tuple((s.label(), s.plan, tuple(s.metrics["tripped"]["quality"])) for s in trace.steps
+                    if s.plan and ((s.metrics or {}).get("tripped") or {}).get("quality"))
+    return SearchContext(plan=plan, machine=machine, workload=workload, skip=skip, runtimes=runtimes, remaining_s=left,
+                         step_s=step_seconds(trace.steps), refused=refused)
 
 
 def _clock(seconds: float) -> str:

@@ -38,7 +38,7 @@ from ..measure.roofline import dtype_bits
 from ..tower.passes import Layer, Pass, SearchContext
 from ..tower.plan import Plan
 
-__all__ = ["Candidate", "generate", "plan_weight_bits", "predicted_ratio"]
+__all__ = ["Candidate", "generate", "plan_weight_bits", "predicted_ratio", "source_bits"]
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,16 @@ class Candidate:
     why: str
     predicted: float = 1.0
     origin: str = ""  # where it came from: runtime table, weight ladder, machine, load
+    bits: float = 0.0  # bits a weight the candidate plan reads per token
+    bits_now: float = 0.0  # and the kept plan
+
+    @property
+    def rung(self) -> bool:
+        """Whether it moves the weights to fewer bits a weight: a rung down the weight ladder."""
+        return 0 < self.bits < self.bits_now
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pass": self.p.describe(), "why": self.why, "predicted": round(self.predicted, 3), "from": self.origin}
+        return {"pass": self.p.describe(), "why": self.why, "predicted": round(self.predicted, 3), "from": self.origin, "bits": self.bits}
 
 
 def generate(layer: Layer, context: SearchContext) -> list[Candidate]:
@@ -69,8 +76,8 @@ def generate(layer: Layer, context: SearchContext) -> list[Candidate]:
         if after in seen:  # two rows that make the same plan (the build for this CPU, on weights already BF16)
             continue
         seen.add(after)
-        ratio = predicted_ratio(plan_weight_bits(plan, own, context), plan_weight_bits(after, own, context))
-        out.append(Candidate(p=p, why=why, predicted=ratio, origin=origin))
+        now, then = plan_weight_bits(plan, own, context), plan_weight_bits(after, own, context)
+        out.append(Candidate(p=p, why=why, predicted=predicted_ratio(now, then), origin=origin, bits=then, bits_now=now))
     return sorted(out, key=lambda c: -c.predicted)
 
 
@@ -117,6 +124,9 @@ def _hardware(context: SearchContext) -> Iterable[Row]:
         for name, params, why in caps.knobs:
             if get_pass(name).layer is Layer.HARDWARE and (name == "runtime" or caps.name == plan.hardware.runtime):
                 yield name, dict(params), why, f"{caps.name} table"
+        if caps.name == plan.hardware.runtime and caps.weights == "gguf" and plan.hardware.dtype in ("bfloat16", "float16"):
+            yield ("dtype", {"dtype": "float32"}, "the GGUF's own weight type rather than its 16-bit copy: the source's bits a weight, "
+                   "if this runtime's kernels for it keep the answers", f"{caps.name} table")
     yield from _machine(plan, machine)
 
 
@@ -179,6 +189,11 @@ def _source(name: str) -> Any:
     except (FractalOptError, OSError, ValueError):
         return None
     return source if source.path is not None else None
+
+
+def source_bits(name: str) -> float | None:
+    """Bits a weight of the model source ``name`` as stored, or None (not a source this machine has)."""
+    return _source_bits(name)
 
 
 @functools.lru_cache(maxsize=8)

@@ -31,7 +31,7 @@ from ..core.errors import RecipeError, closest
 from ..layers import passes_by_layer
 from ..tower.passes import Layer, Pass, SearchContext, StepResult
 from ..tower.plan import Plan
-from .candidates import Candidate, generate
+from .candidates import Candidate, generate, plan_weight_bits, source_bits
 
 __all__ = ["SEARCHES", "HardwareSearch", "ModelSearch", "SchedulingSearch", "Search", "search_for"]
 
@@ -77,39 +77,45 @@ class Search(Pass):
         return self.screen
 
     def candidates(self, context: SearchContext, history: Sequence[StepResult] = ()) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
-        """The candidates still open on ``context``'s kept plan (not tried, not skipped, not
-        predicted slower, the weight ladder's next rung only), and those left out with why."""
+        """The candidates still open on ``context``'s kept plan, and those left out with why.
+
+        Left out: a candidate tried already, one the gate would skip, one the roofline predicts
+        slower, one with the same weights as a plan whose answers a quality guard refused. The
+        weight ladder is walked down one rung at a time, as an expert and fituna do ("8 bits first,
+        then 4"): of the candidates that move the weights to fewer bits a weight (a runtime on a
+        16-bit copy, the GGUF's own type, a gguf quantization), only those with the most bits are
+        open, and once a rung's answers trip a quality guard, the rungs below it on that runtime
+        are not tried.
+        """
         tried = {r.step for r in history}
+        refusals = _refusals(context, history)
         generated = [c for c in generate(self.layer, context) if c.p not in tried and (not self.only or c.p.name in self.only)]
-        open_, left = [], []
+        viable, left = [], []
         for c in generated:
-            why = self._left_out(c, context, history, generated)
-            if why is None:
-                open_.append(c)
+            why = self._left_out(c, context, history, refusals)
+            (left.append((c, why)) if why is not None else viable.append(c))
+        open_ = []
+        for c in viable:
+            above = [x for x in viable if x.rung and x.bits > c.bits]
+            if c.rung and above:
+                left.append((c, f"the weight ladder is walked down one rung at a time: after {min(above, key=lambda x: x.bits).p.describe()}"))
             else:
-                left.append((c, why))
+                open_.append(c)
         return open_, left
 
-    def _left_out(self, c: Candidate, context: SearchContext, history: Sequence[StepResult], generated: Sequence[Candidate]) -> str | None:
-        """Why candidate ``c`` is not tried now, or None.
-
-        The weight ladder is walked down one rung at a time, as fituna and an expert do ("8 bits
-        first, then 4"): each rung reads fewer bytes (the roofline's next gain), and once a rung's
-        answers trip a quality guard, the rungs below it (fewer bits a weight) are not tried.
-        """
+    def _left_out(self, c: Candidate, context: SearchContext, history: Sequence[StepResult], refusals: Sequence[tuple[str, Plan, tuple[str, ...]]]) -> str | None:
+        """Why candidate ``c`` is not tried at all on the kept plan now, or None (see :meth:`candidates`)."""
         plan = context.plan
-        refused = [r for r in history if r.quality_tripped and r.plan]  # answers a quality guard refused
-        if same := next((r for r in refused if _same_answers(c.p.apply(plan), Plan.from_dict(r.plan))), None):
-            return (f"the same weights in the same types as {same.step.describe()}, whose answers tripped {', '.join(same.quality_tripped)}: "
+        after = c.p.apply(plan)
+        if same := next((r for r in refusals if _same_answers(after, r[1])), None):
+            return (f"the same weights in the same types as {same[0]}, whose answers tripped {', '.join(same[2])}: "
                     "another build of the runtime rounds alike up to the order of its sums, so it is not judged again")
-        if c.origin == "weight ladder":
-            above = [r for r in history if r.step.name == c.p.name and _rung_bits(r.step) > _rung_bits(c.p)]
-            if stop := next((r for r in above if r.quality_tripped), None):
-                return f"below {stop.step.describe()} on the weight ladder, whose answers tripped {', '.join(stop.quality_tripped)}: fewer bits a weight are not tried"
-            if waiting := [x for x in generated if x.origin == "weight ladder" and _rung_bits(x.p) > _rung_bits(c.p)]:
-                return f"the weight ladder is walked down one rung at a time: after {min(waiting, key=lambda x: _rung_bits(x.p)).p.describe()}"
-        if any(r.status == "kept" and r.step.name == "runtime" for r in history) and c.p.name == "runtime" \
-                and c.p.apply(plan).hardware.runtime != plan.hardware.runtime:
+        if c.rung:
+            own = source_bits(plan.source)
+            for label, refused, tripped in refusals:
+                if refused.hardware.runtime == after.hardware.runtime and plan_weight_bits(refused, own, context) > c.bits:
+                    return f"below {label} on the weight ladder ({c.bits:g} bits a weight), whose answers tripped {', '.join(tripped)}: fewer bits are not tried"
+        if any(r.status == "kept" and r.step.name == "runtime" for r in history) and c.p.name == "runtime" and after.hardware.runtime != plan.hardware.runtime:
             return f"the search moved to {plan.hardware.runtime} because it beat the runtime before it"
         if c.predicted < SLOWER:
             return f"the roofline predicts it {c.predicted:.2f}x the kept plan's decode"
@@ -123,7 +129,7 @@ class Search(Pass):
         if context is None or len(history) >= self.max_candidates:
             return None
         open_, _ = self.candidates(context, history)
-        if not open_ or not _fits(context, self.screen):
+        if not open_ or not _fits(context, self.screen, open_[0]):
             return None
         return open_[0].p
 
@@ -148,12 +154,12 @@ class Search(Pass):
                 "not_tried": not_tried, "summary": _summary(history)}
 
 
-def _rung_bits(p: Pass) -> float:
-    """Bits a weight of a weight-ladder rung (a quantize pass's gguf method)."""
-    from ..weights.ladder import WEIGHT_TYPES
-
-    method = str(getattr(p, "method", "")).upper()
-    return WEIGHT_TYPES[method].bits if method in WEIGHT_TYPES else 0.0
+def _refusals(context: SearchContext, history: Sequence[StepResult]) -> list[tuple[str, Plan, tuple[str, ...]]]:
+    """The plans whose answers a quality guard refused in this run (the context's, every layer's
+    search and pass) and in this search's history: (label, plan, the quality guards that tripped)."""
+    out = [(label, Plan.from_dict(plan), tuple(tripped)) for label, plan, tripped in context.refused]
+    out += [(r.step.describe(), Plan.from_dict(r.plan), r.quality_tripped) for r in history if r.quality_tripped and r.plan]
+    return out
 
 
 def _same_answers(a: Plan, b: Plan) -> bool:
@@ -166,13 +172,15 @@ def _same_answers(a: Plan, b: Plan) -> bool:
     return bare(a).numerics_key() == bare(b).numerics_key()
 
 
-def _fits(context: SearchContext, screen: bool) -> bool:
-    """Whether one more candidate fits in the budget left: its expected time is the mean of the
-    screened candidates so far when screening (most stop there), else of the fully judged ones."""
+def _fits(context: SearchContext, screen: bool, candidate: Candidate) -> bool:
+    """Whether ``candidate`` fits in the budget left: its expected time is a screened candidate's
+    when it is screened and the roofline predicts no gain (most such stop at the screen), else a
+    fully judged one's (one predicted faster will pass its screen)."""
     if context.remaining_s is None:
         return True
     steps = context.step_s or {}
-    expected = steps.get("screened_out" if screen else "judged") or steps.get("judged") or FIRST_GUESS_S
+    stops = screen and candidate.predicted <= 1.0
+    expected = (steps.get("screened_out") if stops else None) or steps.get("judged") or FIRST_GUESS_S
     return context.remaining_s >= expected
 
 

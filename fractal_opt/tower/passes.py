@@ -92,6 +92,7 @@ class SearchContext:
     ``remaining_s``: seconds left of the run's time budget for this search, after what the steps
     behind it and the final confirmation need (None: no budget). ``step_s``: the mean seconds a
     ``screened_out`` step and a fully judged one took in this run so far (keys present once one has).
+    ``refused``: the plans of this run whose answers a quality guard refused, every layer's.
     """
 
     plan: Plan
@@ -101,6 +102,7 @@ class SearchContext:
     runtimes: Any = ()
     remaining_s: float | None = None
     step_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    refused: tuple[tuple[str, Any, tuple[str, ...]], ...] = ()  # (label, Plan.to_dict(), quality guards) of each plan whose answers were refused
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -34,15 +34,23 @@ def test_the_budget_is_spent_when_its_time_has_passed():
 
 
 def test_a_search_is_told_the_budget_less_what_the_run_needs_after_it():
-    """The reserve: the final confirmation (as long as the baseline's measurement) and one judged
-    step per pass behind the search; the means of screened and judged steps come from the trace."""
+    """The reserve: the final confirmation (half the baseline's A/A measurement) and a judged step
+    on the tuned plan (30 s) per pass behind the search; the screened steps' mean and the latest
+    judged step come from the trace, and so do the plans a quality guard refused."""
     now = [100.0]
     budget = TimeBudget(300, clock=lambda: now[0])
     now[0] = 150.0
     trace = Trace(recipe={}, baseline=_step("baseline", measure_s=40.0),
-                  steps=[_step("screened_out", build_s=2.0, measure_s=3.0), _step("kept", build_s=5.0, measure_s=15.0, quality_s=10.0)])
-    assert step_seconds(trace.steps) == {"screened_out": 5.0, "judged": 30.0}
+                  steps=[_step("rolled_back", build_s=5.0, measure_s=80.0, quality_s=40.0), _step("screened_out", build_s=2.0, measure_s=3.0),
+                         _step("screened_out", build_s=2.0, measure_s=5.0), _step("kept", build_s=5.0, measure_s=15.0, quality_s=10.0)])
+    assert step_seconds(trace.steps) == {"screened_out": 6.0, "judged": 30.0}
     context = search_context(plan=Plan(source="x"), machine=cpu_machine(), workload=None, trace=trace, budget=budget, passes_after=2,
                              skip=lambda p, plan: None, runtimes=())
-    assert context.remaining_s == 300 - 50 - 40 - 2 * 30
-    assert context.step_s == {"screened_out": 5.0, "judged": 30.0}
+    assert context.remaining_s == 300 - 50 - 20 - 2 * 30
+    assert context.refused == ()
+    trace.steps[0].plan = {"hardware": {"runtime": "llama_cpp"}}
+    trace.steps[0].metrics = {"tripped": {"guards": ["accuracy"], "quality": ["accuracy"]}}
+    refused = search_context(plan=Plan(source="x"), machine=cpu_machine(), workload=None, trace=trace, budget=budget, passes_after=0,
+                             skip=lambda p, plan: None, runtimes=()).refused
+    assert refused == (("x()", {"hardware": {"runtime": "llama_cpp"}}, ("accuracy",)),)
+    assert context.step_s == {"screened_out": 6.0, "judged": 30.0}

@@ -128,7 +128,27 @@ def test_the_weight_ladder_is_walked_down_until_a_quality_guard_refuses():
     open_, left = ModelSearch(only=("quantize",)).candidates(context)
     assert [c.p.method for c in open_] == ["q4_k_m"]
     assert all("one rung at a time" in why for _, why in left)
-    tripped = StepResult(step=open_[0].p, status="rolled_back", outcome="guard", quality_tripped=("accuracy",))
+    tripped = StepResult(step=open_[0].p, status="rolled_back", outcome="guard", quality_tripped=("accuracy",), plan=open_[0].p.apply(plan).to_dict())
     open_, left = ModelSearch(only=("quantize",)).candidates(context, (tripped,))
     assert open_ == [] and {c.p.method for c, _ in left} == {"q4_0", "iq4_xs"}
-    assert all("tripped accuracy: fewer bits a weight are not tried" in why for _, why in left)
+    assert all("whose answers tripped accuracy: fewer bits are not tried" in why for _, why in left)
+
+
+def test_the_16_bit_copies_come_before_the_ggufs_own_4_bit_kernels_and_a_refusal_reaches_the_next_layer():
+    """From float32 transformers on the embedded Q4_1 GGUF, the first rung is 16 bits (llama.cpp
+    on a BF16 copy, bfloat16 on transformers), the GGUF's own 5 bits after it; once llama.cpp on
+    Q4_1 tripped the eval anywhere in the run, the model layer's rungs below it are not tried."""
+    from fractal_opt.runtimes import RUNTIMES
+    from fractal_opt.tower.passes import SearchContext
+    from fractal_opt.tower.plan import Plan
+
+    machine = cpu_machine(**BF16_MACHINE, packages={**cpu_machine().packages, "xllamacpp": "0.2"})
+    base = Plan(source="smollm2-135m-instruct")
+    open_, left = HardwareSearch().candidates(SearchContext(plan=base, machine=machine, runtimes=RUNTIMES))
+    assert {c.bits for c in open_ if c.rung} == {16.0} and open_[0].p.describe() == "runtime(backend=llama_cpp, dtype=bfloat16)"
+    assert "after runtime(backend=llama_cpp, dtype=bfloat16)" in dict((c.p.describe(), w) for c, w in left)["runtime(backend=llama_cpp)"]
+    bf16 = base.replace_section("hardware", runtime="llama_cpp", dtype="bfloat16")
+    q41 = bf16.replace_section("hardware", dtype="float32").to_dict()
+    context = SearchContext(plan=bf16, machine=machine, runtimes=RUNTIMES, refused=(("dtype(dtype=float32)", q41, ("accuracy",)),))
+    open_, left = ModelSearch(only=("quantize",)).candidates(context)
+    assert open_ == [] and all("below dtype(dtype=float32)" in why for _, why in left)
