@@ -38,8 +38,10 @@ __all__ = ["SEARCHES", "HardwareSearch", "ModelSearch", "SchedulingSearch", "Sea
 # A candidate the roofline predicts slower than the kept plan by more than this share is not tried
 # (switching back to float32 from BF16 weights, say): its bytes alone cost more than min_effect.
 SLOWER = 0.95
-# What a candidate is guessed to cost before one has been measured in this run (seconds): only
-# the budget's check reads it, and a run with no budget never does.
+# What a candidate is guessed to cost before one of its kind has been measured in this run
+# (seconds): only the budget's check reads it. A screen of a llama.cpp knob took about 10 s on the
+# embedded model here and a judged step 57-76 s (2-core Intel Xeon, 2026-12-05): the guess lets the
+# first screen in and a first judged step only where half a minute is left.
 FIRST_GUESS_S = 30.0
 
 
@@ -124,14 +126,13 @@ class Search(Pass):
         return None
 
     def next_step(self, history: Sequence[StepResult], *, context: SearchContext | None = None) -> Pass | None:
-        """The most promising open candidate, while fewer than ``max_candidates`` were measured and
-        the time a candidate has taken so far fits in the budget left (None: done)."""
+        """The most promising open candidate whose expected time fits in the budget left, while fewer
+        than ``max_candidates`` were measured (None: done)."""
         if context is None or len(history) >= self.max_candidates:
             return None
         open_, _ = self.candidates(context, history)
-        if not open_ or not _fits(context, self.screen, open_[0]):
-            return None
-        return open_[0].p
+        # The most promising candidate that fits what is left: a screen may fit where a full judgement does not.
+        return next((c.p for c in open_ if _fits(context, self.screen, c)), None)
 
     def conclusion(self, history: Sequence[StepResult], *, guards: Sequence[Any] = (), context: SearchContext | None = None) -> dict[str, Any]:
         """What the search tried and found: every candidate's status, the kept ones, and what it
@@ -180,7 +181,7 @@ def _fits(context: SearchContext, screen: bool, candidate: Candidate) -> bool:
         return True
     steps = context.step_s or {}
     stops = screen and candidate.predicted <= 1.0
-    expected = (steps.get("screened_out") if stops else None) or steps.get("judged") or FIRST_GUESS_S
+    expected = (steps.get("screened_out") or FIRST_GUESS_S) if stops else (steps.get("judged") or FIRST_GUESS_S)
     return context.remaining_s >= expected
 
 
