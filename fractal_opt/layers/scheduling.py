@@ -77,7 +77,10 @@ class Batching(Pass):
     def check(self, plan: Plan, machine: Machine) -> str | None:
         # What continuous batching cannot honour in the rest of the plan (beams, stop strings, ...)
         # is the runtime's to say: Engine.refuse, asked by the runner after this check.
-        if self.mode in ("static", "continuous") and plan.model.kv_cache != "dynamic":
+        # A runtime's own quantized cache (backend native: llama.cpp's q8_0 / q4_0, vLLM's fp8) is
+        # the cache its batching runs on; the other kinds are transformers' caches, which batch only dynamic.
+        own_cache = plan.model.kv_cache == "quantized" and plan.model.kv_backend == "native"
+        if self.mode in ("static", "continuous") and plan.model.kv_cache != "dynamic" and not own_cache:
             return f"{self.mode} batching needs a dynamic KV cache in this engine; the plan's KV cache is {plan.model.kv_cache!r}"
         attention = plan.hardware.attention
         if self.mode == "continuous" and attention not in ("sdpa", "eager") and not attention.startswith(("flash", "paged")):

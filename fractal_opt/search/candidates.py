@@ -38,7 +38,7 @@ from ..measure.roofline import dtype_bits
 from ..tower.passes import Layer, Pass, SearchContext
 from ..tower.plan import Plan
 
-__all__ = ["Candidate", "generate", "plan_weight_bits", "predicted_ratio", "source_bits"]
+__all__ = ["Candidate", "generate", "plan_weight_bits", "predicted_ratio", "source_bits", "weight_type"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,29 @@ def plan_weight_bits(plan: Plan, source_bits: float | None, context: SearchConte
     if serves_gguf and source_bits is not None:
         return source_bits
     return float(dtype_bits(plan.hardware.dtype))
+
+
+def weight_type(plan: Plan) -> str:
+    """The weight type ``plan`` computes in, as a person names it: a GGUF type on a GGUF runtime
+    (``Q4_K_M``, ``BF16``, the source's own ``Q4_1``), else the dtype and any quantization."""
+    m, hw = plan.model, plan.hardware
+    if m.quant_backend == "gguf" and m.quant_method:
+        return m.quant_method.upper()
+    if _gguf_runtime(hw.runtime):
+        if hw.dtype in ("bfloat16", "float16"):
+            return {"bfloat16": "BF16", "float16": "F16"}[hw.dtype]
+        source = _source(plan.source)
+        if source is not None and source.folder is None:
+            from ..weights.ladder import source_type
+
+            return f"{source_type(source)} (the GGUF's own)"
+    return hw.dtype + (f", {m.weight_bits}-bit {m.quant_backend} weights" if m.weight_bits else "")
+
+
+def _gguf_runtime(name: str) -> bool:
+    from ..engine.registry import RUNTIMES
+
+    return name in RUNTIMES and RUNTIMES.get(name).weights == "gguf"
 
 
 # ---------------------------------------------------------------------------- the sources

@@ -31,7 +31,7 @@ from ..core.errors import RecipeError, closest
 from ..layers import passes_by_layer
 from ..tower.passes import Layer, Pass, SearchContext, StepResult
 from ..tower.plan import Plan
-from .candidates import Candidate, generate, plan_weight_bits, source_bits
+from .candidates import Candidate, generate, plan_weight_bits, source_bits, weight_type
 
 __all__ = ["SEARCHES", "HardwareSearch", "ModelSearch", "SchedulingSearch", "Search", "search_for"]
 
@@ -147,12 +147,22 @@ class Search(Pass):
             not_tried = [{"pass": c.p.describe(), "why": stop} for c in open_] + [{"pass": c.p.describe(), "why": why} for c, why in left]
         answer = (f"{considered} candidates considered ({counts['screened_out']} screened out, {counts['kept'] + counts['rolled_back']} judged in full, "
                   f"{counts['kept']} kept): " + (", ".join(kept) if kept else "none kept"))
+        rungs = [r for r in history if r.status == "rolled_back" and r.plan and context is not None and _fewer_bits(r, context)]
+        if context is not None:
+            answer += f"; weights: {weight_type(context.plan)}"
+            answer += "".join(f"; {r.step.describe()} (fewer bits) rolled back by {', '.join(r.quality_tripped) or r.outcome}" for r in rungs)
         budget_left = [t["pass"] for t in not_tried if t["why"] in ("the time budget left no room for it", "max_candidates reached")]
         if budget_left:
             answer += f"; not tried ({not_tried[0]['why']}): " + ", ".join(budget_left)
         return {"pass": self.name, "layer": self.layer.section, "answer": answer, "considered": considered, **counts,
                 "candidates": [{"pass": r.step.describe(), "status": r.status, "outcome": r.outcome, "reason": r.reason} for r in history],
                 "not_tried": not_tried, "summary": _summary(history)}
+
+
+def _fewer_bits(r: StepResult, context: SearchContext) -> bool:
+    """Whether step ``r`` measured weights with fewer bits a weight than the kept plan's now (a faster type)."""
+    own = source_bits(context.plan.source)
+    return plan_weight_bits(Plan.from_dict(r.plan), own, context) < plan_weight_bits(context.plan, own, context)
 
 
 def _refusals(context: SearchContext, history: Sequence[StepResult]) -> list[tuple[str, Plan, tuple[str, ...]]]:

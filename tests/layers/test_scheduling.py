@@ -201,3 +201,12 @@ def test_the_search_starts_at_the_requests_the_kept_plan_serves_at_once(machine)
     assert ramp.next_step((), context=SearchContext(plan=served, machine=machine, workload=Workload())) == Concurrency(limit=4)
     two = Concurrency(limit=2).apply(served)
     assert ramp.next_step((), context=SearchContext(plan=two, machine=machine, workload=load)) == Concurrency(limit=4)
+
+
+def test_batching_runs_on_a_runtimes_own_quantized_kv_cache(machine):
+    """llama.cpp's q8_0 cache (kv_cache quantized, backend native) is the cache its continuous
+    batching runs on: the step is not skipped; a transformers quantized cache still is."""
+    native = ModelPlan(kv_cache="quantized", kv_bits=8, kv_backend="native")
+    assert Batching(mode="continuous").check(Plan(source="tiny", model=native), machine) is None
+    quanto = ModelPlan(kv_cache="quantized", kv_bits=8, kv_backend="quanto")
+    assert "dynamic KV cache" in Batching(mode="continuous").check(Plan(source="tiny", model=quanto), machine)
