@@ -42,7 +42,11 @@ def recipe(*, screen: bool) -> dict[str, Any]:
     data = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text(encoding="utf-8"))
     data["workload"].pop("budget_s", None)
     data["name"] = f"search-{'screened' if screen else 'full'}"
-    data["passes"] = {layer: [{"search": {"screen": screen}}] for layer in ("hardware", "model")}
+    searches = {}
+    for layer in ("hardware", "model"):  # the quickstart's searches as it writes them, screening on or off
+        entries = [e for e in data["passes"][layer] if e == "search" or (isinstance(e, dict) and "search" in e)]
+        searches[layer] = [{"search": {**(e["search"] if isinstance(e, dict) else {}), "screen": screen}} for e in entries]
+    data["passes"] = searches
     return data
 
 
