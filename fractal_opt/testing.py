@@ -257,6 +257,8 @@ class FakeEngine(Engine):
         self.prepare_s = dict(prepare_s)
         self.logprobs = logprobs  # "full" | "top-k" | "none": what next_token_logprobs / top_logprobs give
         self.served = 0  # generate calls served, for tests that count them
+        self.serve_calls = 0  # serve() calls so far (round_speed's index)
+        self.round_speed: tuple[float, ...] = ()  # the factory's round_speed factors of this plan
         self.model: Any = "fake"  # the protocol's handle: None once closed (engine.closed)
         # Injected faults (factory's fail_serve / hang_s / nan): "serve" -> message, "hang" -> seconds, "nan" -> True.
         self.faults: dict[str, Any] = {}
@@ -277,6 +279,7 @@ class FakeEngine(Engine):
         fail_serve: FieldTable | None = None,
         hang_s: FieldTable | None = None,
         nan: FieldTable | None = None,
+        round_speed: FieldTable | None = None,
     ) -> Callable[..., FakeEngine]:
         """A build function (``Pipeline(recipe, build=...)``) for fake engines.
 
@@ -298,6 +301,9 @@ class FakeEngine(Engine):
                 short sleeps, as a polling wait does) before it answers.
             nan: ``{"section.field": {value: True}}``; such a plan's log-probabilities are NaN (a
                 float16 overflow), so its KL and perplexity are NaN.
+            round_speed: ``{"section.field": {value: (f0, f1, ...)}}``; such an engine's n-th
+                ``serve`` call (warm-ups included) runs ``f[n]`` x faster on top of ``speed`` (the
+                last factor repeats): a machine's round-to-round noise, or a first unlucky round.
         """
         if logprobs not in ("full", "top-k", "none"):
             raise ValueError(f"logprobs={logprobs!r}: expected 'full', 'top-k' or 'none'")
@@ -317,6 +323,7 @@ class FakeEngine(Engine):
                          logprobs=logprobs)
             engine.faults = {name: found[0] for name, table in (("serve", fail_serve), ("hang", hang_s), ("nan", nan))
                              if (found := _lookup(table or {}, plan))}
+            engine.round_speed = tuple(next(iter(_lookup(round_speed or {}, plan)), ()))
             return engine
 
         return build
@@ -331,11 +338,13 @@ class FakeEngine(Engine):
                 time.sleep(0.01)
         if "serve" in self.faults:
             raise RuntimeError(self.faults["serve"])
+        factor = self.round_speed[min(self.serve_calls, len(self.round_speed) - 1)] if self.round_speed else 1.0
+        self.serve_calls += 1
         for request in requests:
             prompt = self.encode(" ".join(text for _, text in request.messages))
             t_submit = time.perf_counter()
-            first = t_submit + self.prefill_s
-            times = [first + i * self.per_token_s for i in range(budget)]
+            first = t_submit + self.prefill_s / factor
+            times = [first + i * self.per_token_s / factor for i in range(budget)]
             tokens = [(zlib.crc32(bytes(prompt)) + i) % self.vocab_size for i in range(budget)]
             while (now := time.perf_counter()) < times[-1]:  # the wall clock agrees with the readings
                 time.sleep(times[-1] - now)

@@ -226,3 +226,19 @@ def test_schema_covers_every_pass_and_top_level_key():
     text = json.dumps(schema["properties"]["passes"])
     for name in registry():
         assert f'"{name}"' in text, name
+
+
+def test_tune_writes_a_recipe_that_searches_and_refuses_bad_input_first(tmp_path, capsys):
+    """tune's recipe searches the hardware and model layers within the budget and loads as written;
+    a bad budget or an unknown model exits 2 before anything is written."""
+    from fractal_opt.cli.tune import tune_recipe
+    from fractal_opt.language.recipe import load_recipe
+
+    recipe = load_recipe(tune_recipe("smollm2-135m-instruct", suite="default", budget_s=360.0))
+    assert [(p.name, p.layer.section) for p in recipe.passes] == [("search", "hardware"), ("search", "model")]
+    assert recipe.workload.budget_s == 360.0
+    written = tmp_path / "tune.yaml"
+    assert main(["tune", "smollm2-135m-instruct", "--budget", "six", "--recipe", str(written), "--out", str(tmp_path / "out")]) == 2
+    assert main(["tune", str(tmp_path / "no-such-model"), "--recipe", str(written), "--out", str(tmp_path / "out")]) == 2
+    assert not written.exists()
+    assert "time budget" in capsys.readouterr().err

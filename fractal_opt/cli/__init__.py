@@ -8,6 +8,7 @@
     fractal-opt budget MODEL [--context N] ...     memory and decode-ceiling budget from a model's config
     fractal-opt doctor [RECIPE]                    the troubleshooting checklist as checks
     fractal-opt suggest MODEL                      short baseline -> bottleneck -> a commented recipe
+    fractal-opt tune MODEL [--budget 6m]           a recipe searching the hardware and model layers, written and run
     fractal-opt bisect RUN_DIR                     which kept pass makes the tuned plan slower
     fractal-opt compare A B [--measure]            two runs or recipes side by side
     fractal-opt serve RECIPE_OR_RUN_DIR            an OpenAI-compatible endpoint on the tuned plan
@@ -26,7 +27,7 @@ import sys
 
 from ..core.errors import FractalOptError, RecipeError
 from ..core.quiet import quiet_third_party
-from . import bisect, budget, check, compare, doctor, export, fleet, generate, passes, run, schema, serve, suggest
+from . import bisect, budget, check, compare, doctor, export, fleet, generate, passes, run, schema, serve, suggest, tune
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
 
@@ -34,7 +35,7 @@ EXIT_CODES = {0: "success", 1: "the run failed", 2: "invalid input: a recipe, fi
               130: "interrupted (Ctrl-C); the steps finished so far are kept"}
 
 # The subcommands, in the order ``--help`` lists them.
-COMMANDS = (run, check, passes, schema, generate, budget, doctor, suggest, bisect, compare, serve, export, fleet)
+COMMANDS = (run, check, passes, schema, generate, budget, doctor, suggest, tune, bisect, compare, serve, export, fleet)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,8 @@ def add(sub) -> None:
                    help="before measuring, wait until other processes leave the CPU (at most SECONDS, default 600)")
     p.add_argument("--reconfirm", action="store_true",
                    help="with --resume on a finished run: measure the final confirmation again (default: the journal's, so nothing is measured)")
+    p.add_argument("--budget", metavar="DURATION", help="the run's time budget (6m, 90s, 1h), over the recipe's workload.budget_s: searches order "
+                   "their work to fit it, and once it is spent the remaining passes are skipped and the best plan found is confirmed")
     p.add_argument("--stop-at-target", action="store_true", help="end the run once every target of the recipe is met (the remaining steps are recorded as skipped)")
     p.set_defaults(func=run)
 
@@ -32,16 +34,19 @@ def run(args: argparse.Namespace) -> int:
     from ..core.errors import RecipeError
     from ..language.recipe import load_recipe
     from ..pipeline.runner import Pipeline
+    from ..pipeline.time_budget import parse_duration
 
     if not args.out.strip():  # Path("") is the current folder: a run would write its files there
         raise RecipeError(f"run --out: got {args.out!r}, expected a folder path (default: fractal-out).")
     if args.reconfirm and not args.resume:
         raise RecipeError("run --reconfirm measures a finished run's final confirmation again: it goes with --resume.")
+    budget_s = parse_duration(args.budget) if args.budget else None  # a bad duration is refused before anything loads
     for spec in load_recipe(args.recipe, check_model=False).code():  # quality.allow_code: the recipe's own code is a trust boundary
         print(f"fractal-opt: this recipe imports and runs: {spec}", file=sys.stderr)
     pipeline = Pipeline(args.recipe, out_dir=args.out, progress=not args.quiet, stop_at_target=args.stop_at_target, wait_quiet=args.wait_quiet,
                         resume=args.resume, force=args.force)
     pipeline.reconfirm = args.reconfirm
+    pipeline.budget_s = budget_s
     result = pipeline.run()
     if args.json:
         print(json.dumps(_summary(result.trace, args.out), indent=2, allow_nan=False, default=str))

@@ -107,6 +107,9 @@ class Capabilities:
         placements: how it can spread a plan over processes or machines (:data:`PLACEMENTS`:
             ``rpc``, ``tensor_parallel``, ``pipeline_parallel``, ``replicas``); a placement pass
             on a runtime that does not list its placement is refused with the ones it does.
+        knobs: what a search tries on this runtime beside its weight ladder: ``(pass, params,
+            why)`` rows, ``why`` one line saying what the knob attacks (a ``runtime`` row is a way to
+            reach the runtime, tried from any other; the other rows only on a plan it serves).
         evict: ``evict(keep)``: drop cached instances whose ``Plan.weights_key()`` is not in ``keep``.
         clear: ``clear()``: drop every cached instance.
     """
@@ -128,6 +131,7 @@ class Capabilities:
     telemetry: tuple[str, ...] = ()
     export_targets: tuple[str, ...] = ()
     placements: frozenset[str] = frozenset()
+    knobs: tuple[tuple[str, dict[str, Any], str], ...] = ()
     evict: str | Callable[[set[tuple]], None] | None = None
     clear: str | Callable[[], None] | None = None
 

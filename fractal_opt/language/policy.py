@@ -107,6 +107,7 @@ class Verdict:
     # (the objective has no number, or one that is not finite)
     outcome: str = ""
     guards: list[str] = field(default_factory=list)  # the guards in force that had a number to judge (Guard.describe)
+    tripped: list[str] = field(default_factory=list)  # the metrics whose guard tripped (which guard stopped the step)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,9 +216,11 @@ class Policy:
         trips: list[str] = []
         notes: list[str] = []  # what the verdict could not judge, or chose not to
         in_force: list[str] = []
+        tripped: list[str] = []
         for guard in self.guards_for(layer):
             found = guard.check(ev)
             trips += found.trips
+            tripped += [guard.metric] if found.trips else []
             notes += found.notes
             if found.in_force:
                 in_force.append(guard.describe())
@@ -227,7 +230,7 @@ class Policy:
         finite_bands = {k: v for k, v in bands.items() if finite(v)}
 
         def verdict(kept: bool, reason: str, outcome: str) -> Verdict:
-            return Verdict(kept=kept, reason=reason, changes=clean, bands=finite_bands, outcome=outcome, guards=in_force)
+            return Verdict(kept=kept, reason=reason, changes=clean, bands=finite_bands, outcome=outcome, guards=in_force, tripped=tripped)
 
         return verdict(*self._decide(layer, ev, trips, notes))
 

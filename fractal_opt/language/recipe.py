@@ -384,6 +384,10 @@ def _parse_entry(entry: Any, layer: Layer, *, where: str) -> Pass:
         ((name, params),) = entry.items()
     else:
         raise RecipeError(f"{where}: a pass is written as {{name: {{param: value}}}} or a bare name, got {entry!r}.")
+    if name == "search":  # a layer's generated candidates: one search class a layer (fractal_opt.search)
+        from ..search.search_pass import search_for
+
+        return search_for(layer).from_params(params, where=f"{where} (search)")
     cls = get_pass(str(name)) if name in registry() else _unknown(str(name), layer, where)
     if cls.layer is not layer:
         raise RecipeError(f"{where}: pass {name!r} belongs to layer {cls.layer.section!r}, not {layer.section!r}. Move it under passes.{cls.layer.section}.")

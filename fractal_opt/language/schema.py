@@ -141,9 +141,11 @@ def _targets_schema() -> dict[str, Any]:
 
 def _passes_schema() -> dict[str, Any]:
     from ..layers import passes_by_layer
+    from ..search.search_pass import SEARCHES
 
     layers: dict[str, Any] = {}
-    for layer, classes in passes_by_layer().items():
+    for layer, registered in passes_by_layer().items():
+        classes = [*registered, *([SEARCHES[layer]] if layer in SEARCHES else [])]  # `search`: a layer's generated candidates
         entries: list[dict[str, Any]] = [{"enum": sorted(c.name for c in classes), "description": "a pass with its default parameters"}]
         for cls in sorted(classes, key=lambda c: c.name):
             params = section_schema(cls, description=cls.summary())

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from ..core.errors import RecipeError
 from ..core.machine import Machine
-from ..tower.passes import Layer, Pass, StepResult, register
+from ..tower.passes import Layer, Pass, SearchContext, StepResult, register
 from ..tower.plan import Plan
 
 __all__ = ["Batching", "Concurrency", "PrefixCache", "Queue", "Streaming"]
@@ -77,7 +77,10 @@ class Batching(Pass):
     def check(self, plan: Plan, machine: Machine) -> str | None:
         # What continuous batching cannot honour in the rest of the plan (beams, stop strings, ...)
         # is the runtime's to say: Engine.refuse, asked by the runner after this check.
-        if self.mode in ("static", "continuous") and plan.model.kv_cache != "dynamic":
+        # A runtime's own quantized cache (backend native: llama.cpp's q8_0 / q4_0, vLLM's fp8) is
+        # the cache its batching runs on; the other kinds are transformers' caches, which batch only dynamic.
+        own_cache = plan.model.kv_cache == "quantized" and plan.model.kv_backend == "native"
+        if self.mode in ("static", "continuous") and plan.model.kv_cache != "dynamic" and not own_cache:
             return f"{self.mode} batching needs a dynamic KV cache in this engine; the plan's KV cache is {plan.model.kv_cache!r}"
         attention = plan.hardware.attention
         if self.mode == "continuous" and attention not in ("sdpa", "eager") and not attention.startswith(("flash", "paged")):
@@ -165,15 +168,22 @@ class Concurrency(Pass):
         return plan.replace_section("scheduling", **changes)
 
     # ------------------------------------------------------------------ the search
-    def next_step(self, history: Sequence[StepResult]) -> Pass | None:
+    def next_step(self, history: Sequence[StepResult], *, context: SearchContext | None = None) -> Pass | None:
         """A fixed pass at the next level to measure, from the levels measured so far (None: done).
 
         Doubling from ``start`` while levels hold, then bisection between the highest level that
-        held and the lowest that failed; a level that tripped once is measured again first.
+        held and the lowest that failed; a level that tripped once is measured again first. The
+        search starts no lower than the requests the kept plan already serves at once under the
+        load (``context``): a level below them only offers less work, so it measures worse than the
+        kept plan without any SLO failing, and that "worse" would end the search before it reached
+        the levels above (from 4 under 8 clients served at once, 16 was never tried).
         """
         if self.mode == "fixed":
             return None if history else self
-        level = _next_level(_verdicts(history), start=self.start, max_limit=self.max_limit, resolution=self.resolution)
+        start = self.start
+        if context is not None and (floor := _kept_in_flight(context)) is not None:
+            start = min(max(start, floor), self.max_limit)
+        level = _next_level(_verdicts(history), start=start, max_limit=self.max_limit, resolution=self.resolution)
         return None if level is None else Concurrency(mode="fixed", limit=level)
 
     def holds(self, outcome: str) -> str | None:
@@ -183,7 +193,7 @@ class Concurrency(Pass):
             return "no guard tripped (the concurrency search keeps the highest level that holds)"
         return None
 
-    def conclusion(self, history: Sequence[StepResult], *, guards: Sequence[Any] = ()) -> dict[str, Any] | None:
+    def conclusion(self, history: Sequence[StepResult], *, guards: Sequence[Any] = (), context: SearchContext | None = None) -> dict[str, Any] | None:
         """The search's answer: the highest level that held, the limits it was found under, and
         every level with its measurements ("max concurrency that meets TTFT p90 <= 4 s: 12")."""
         if self.mode == "fixed":
@@ -217,6 +227,18 @@ class Concurrency(Pass):
             "levels": [{"limit": level, "verdict": verdicts[level], "statuses": per_level[level]} for level in order],
             "summary": f"{measured} levels measured in {measurements} measurements: {trail}",
         }
+
+
+def _kept_in_flight(context: SearchContext) -> int | None:
+    """The requests ``context``'s kept plan serves at once under the workload's closed load (None
+    without a closed load: the offered load then does not follow the level)."""
+    workload = context.workload
+    profile = workload.load_profile() if getattr(workload, "load", None) else None
+    if profile is None or profile.mode != "closed" or profile.capacity:
+        return None
+    s = context.plan.scheduling
+    limit = {"sequential": 1, "static": s.batch_size}.get(s.batching, s.max_concurrency or profile.concurrency)
+    return min(limit, s.max_concurrency or limit, profile.concurrency)
 
 
 def _verdicts(history: Sequence[StepResult]) -> dict[int, str]:

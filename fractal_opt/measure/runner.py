@@ -225,6 +225,7 @@ def measure_pair(
     progress: Callable[[str], None] | None = None,
     clients: int | None = None,
     min_repeats: int | None = None,
+    screen: Callable[[Measurement, Measurement], bool] | None = None,
 ) -> tuple[Measurement, Measurement]:
     """Measure two engines interleaved, round by round, so drift hits both alike.
 
@@ -237,6 +238,8 @@ def measure_pair(
     under a load profile (default: each its plan's own, :func:`.rounds.offered_clients`).
     ``min_repeats`` (below ``workload.repeats``): a comparison that judges ``objective`` alone may
     stop after that many rounds (one A B / B A pair) when its interval is already settled there.
+    ``screen(before, after)``: asked after the first round (:mod:`.screen`); False stops the
+    comparison there (the candidate was screened out), and the one round is returned.
     """
     from .noise import settled
 
@@ -248,6 +251,8 @@ def measure_pair(
     budget = max(workload.repeats, getattr(workload, "max_repeats", None) or workload.repeats)
     early = min(min_repeats or workload.repeats, workload.repeats)
     for r in range(budget):
+        if r == 1 and screen is not None and not screen(a.result(), b.result()):
+            break
         if r == early < workload.repeats or (r >= workload.repeats and (r - workload.repeats) % 2 == 0):
             interval = paired_changes(a.result(), b.result(), [objective]).get(objective)
             if settled(interval, min_effect=min_effect):

@@ -22,7 +22,7 @@ from typing import Any
 from ..core.errors import FractalOptError
 from ..core.machine import Machine
 from ..engine.registry import RUNTIMES
-from ..tower.passes import Pass, StepResult
+from ..tower.passes import Pass, SearchContext, StepResult
 from ..tower.plan import Plan
 
 __all__ = ["MAX_STEPS_PER_PASS", "UNCHANGED", "PassSteps", "skip_reason"]
@@ -54,11 +54,13 @@ class PassSteps:
         "max concurrency that holds (no absolute latency SLO set: the guards in force, throughput not worse): 8 or more (the search's max_limit; no level up to it failed)"
     """
 
-    def __init__(self, source: Pass):
+    def __init__(self, source: Pass, *, context: Callable[[], SearchContext] | None = None):
         self.source = source
         self.history: list[StepResult] = []
-        first = source.next_step(())
+        self._context = context or (lambda: None)  # the kept plan, machine, load and time left when each step is proposed
+        first = source.next_step((), context=self._context())
         self.searches = first is not None and first != source
+        self.screens = self.searches and source.screens()  # its steps are screened before the full rounds
         self._next = first
 
     def __iter__(self) -> Iterator[Pass]:
@@ -70,13 +72,16 @@ class PassSteps:
             yield step
             if not self.history or self.history[-1].step is not step:
                 raise FractalOptError(f"pass {self.source.name}: record() each step before asking for the next.")
-            self._next = self.source.next_step(tuple(self.history))
+            self._next = self.source.next_step(tuple(self.history), context=self._context())
 
-    def record(self, step: Pass, status: str, outcome: str = "", reason: str = "") -> None:
-        """How ``step`` ended (the trace's status, the verdict's outcome and the step's reason)."""
+    def record(self, step: Pass, status: str, outcome: str = "", reason: str = "", *, metrics: dict[str, Any] | None = None,
+               plan: dict[str, Any] | None = None) -> None:
+        """How ``step`` ended (the trace's status, the verdict's outcome and the step's reason; its
+        metrics, for the quality guards that stopped it, and the plan it measured)."""
         if status == "skipped" and reason.startswith(UNCHANGED):
             status = "unchanged"
-        self.history.append(StepResult(step=step, status=status, outcome=outcome))
+        quality = tuple(((metrics or {}).get("tripped") or {}).get("quality", ()))
+        self.history.append(StepResult(step=step, status=status, outcome=outcome, reason=reason, quality_tripped=quality, plan=plan or None))
 
     def label(self, index: int, total: int) -> str:
         """``[3/5]`` (pass 3 of 5), with ``search step k`` for the k-th step of a search."""
@@ -84,7 +89,7 @@ class PassSteps:
 
     def conclusion(self, guards: Sequence[Any] = ()) -> dict[str, Any] | None:
         """The pass's answer once its steps are done (a search's result), or None."""
-        return self.source.conclusion(tuple(self.history), guards=guards) if self.searches else None
+        return self.source.conclusion(tuple(self.history), guards=guards, context=self._context()) if self.searches else None
 
 
 def skip_reason(p: Pass, plan: Plan, machine: Machine, *, refuse: Callable[[Plan], str | None] | None = None) -> str | None:

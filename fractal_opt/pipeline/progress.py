@@ -20,7 +20,8 @@ class Progress:
     Each line shows the elapsed time and, once a step has finished, an estimate of the time left:
     the mean time of the finished steps times the steps still to run, less the time the current
     step has taken so far, but never less than the mean for the steps after it (the baseline and
-    its A/A calibration are not counted as a step). The estimate is hand-rolled rather than tqdm's because
+    its A/A calibration are not counted as a step), and never more than what is left of the run's
+    time budget (``budget_s``, shown beside it). The estimate is hand-rolled rather than tqdm's because
     the runner reports messages, not iterations, and a step's messages arrive from several places.
 
     Example:
@@ -40,6 +41,7 @@ class Progress:
         self._step: tuple[int, int] | None = None  # (index, total) of the step under way
         self._step_t0: float | None = None  # when the first step began (the baseline's time excluded)
         self._current_t0: float | None = None  # when the step under way began
+        self.budget_s: float | None = None  # the run's time budget (the runner sets it): the line shows what is left of it
 
     def eta(self, now: float | None = None) -> float | None:
         """Seconds left by the mean pace of the finished steps; None before one finished."""
@@ -70,10 +72,15 @@ class Progress:
         elif self._step and self._step[0] == self._step[1]:  # after the last step (the final confirmation): no step, no ETA
             self._step = None
         head = f"[{_clock(now - self.t0)}"
+        budget_left = None if self.budget_s is None else max(self.budget_s - (now - self.t0), 0.0)
         if self._step:
             head += f" · step {self._step[0]}/{self._step[1]}"
             left = self.eta(now)
+            if left is not None and budget_left is not None:
+                left = min(left, budget_left)  # the run stops at its budget: the ETA never runs past it
             head += f" · ETA {_clock(left)}" if left is not None else ""
+        if budget_left is not None:
+            head += f" · budget {_clock(budget_left)} left"
         return f"{head}] {message}"
 
     def __call__(self, message: str) -> None:

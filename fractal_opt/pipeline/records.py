@@ -9,12 +9,15 @@ import traceback
 from collections.abc import Iterable
 from typing import Any
 
+from ..core.errors import ModelSourceError, RecipeError, RunFailed
 from ..measure.metrics import Measurement
+from ..report.trace import Step
 from ..tower.passes import Pass
 from ..tower.plan import Plan
 from .deadline import StepTimeout, WorkerAbandoned
 
-__all__ = ["MEASURED_EXTRA", "contention_note", "failure_text", "gate_stage", "metrics", "plan_text", "startup_note", "traceback_text"]
+__all__ = ["MEASURED_EXTRA", "baseline_error", "contention_note", "failed_baseline", "failure_text", "gate_stage", "metrics", "plan_text", "startup_note",
+           "traceback_text"]
 
 # What the measurement itself adds to ``Measurement.extra`` that the trace keeps (GPU telemetry,
 # "unavailable" on CPU; the device's capacity; load: the profile and per-round request counts;
@@ -91,3 +94,19 @@ def contention_note(*measurements: Measurement) -> str:
     still = sum(1 for row in rows if row.get("contended"))
     left = f"; {still} still contended after {max(row['reruns'] for row in rows)} re-runs (flagged in its rows)" if still else ""
     return f" {len(rows)} round{'s' if len(rows) > 1 else ''} re-run: {used}{left}."
+
+
+def failed_baseline(e: BaseException, stage: str, timeout_s: float | None) -> Step:
+    """The baseline step of a run whose baseline failed: status failed, why, the last frames."""
+    return Step(pass_name="baseline", layer="-", params={}, status="failed", reason=failure_text(e, stage, timeout_s),
+                timings={"traceback": traceback_text(e)})  # type: ignore[dict-item]
+
+
+def baseline_error(e: BaseException, reason: str, out_dir: Any) -> BaseException:
+    """What ends a run whose baseline failed: bad input keeps its own error (and exit code); anything else is RunFailed."""
+    if isinstance(e, RecipeError | ModelSourceError):
+        return e
+    where = f" {out_dir / 'trace.json'} records it." if out_dir is not None else ""
+    error = RunFailed(f"the baseline failed, so no pass was tried: {reason}.{where}")
+    error.__cause__ = e
+    return error

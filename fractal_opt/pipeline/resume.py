@@ -35,7 +35,7 @@ from .outputs import OUTPUTS, check_writable
 __all__ = ["MEASURER_STATE", "Kept", "RunJournal", "check_out"]
 
 # The step measurer's state a resumed run carries on from (it depends on what was measured before).
-MEASURER_STATE = ("calibration", "prompt_tokens", "previous_solo_peak_mb")
+MEASURER_STATE = ("calibration", "calibration_noise", "prompt_tokens", "previous_solo_peak_mb")
 
 
 @dataclass(frozen=True)

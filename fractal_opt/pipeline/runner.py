@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import EngineError, ModelSourceError, RecipeError, RunFailed
+from ..core.errors import EngineError
 from ..core.machine import Machine, resolve_device
 from ..core.quiet import quiet_third_party
 from ..core.text import clip
@@ -26,12 +26,12 @@ from ..language.recipe import Recipe, load_recipe
 from ..measure.machine_limits import MachineLimits, probe_limits
 from ..measure.metrics import Measurement
 from ..report.trace import Step, Trace
-from ..tower.passes import Layer, Pass
+from ..tower.passes import Layer, Pass, SearchContext
 from ..tower.plan import Plan
 from ..workloads.workload import Request
 from . import confirm, records
 from .deadline import StepTimeout, WorkerAbandoned, checkpoint, run_with_deadline
-from .gate import PassSteps
+from .gate import PassSteps, skip_reason
 from .objectives import annotate, measured_alone, split_objectives
 from .progress import Progress
 from .result import Result, write_run
@@ -41,6 +41,7 @@ from .step_attempt import StepEnv, attempt
 from .step_measurement import StepMeasurer, read_shape
 from .step_quality import StepQuality
 from .targets import note_targets, stop_reason
+from .time_budget import TimeBudget, search_context
 
 __all__ = ["Pipeline", "Result", "optimize"]
 
@@ -70,6 +71,7 @@ class Pipeline:
     """
 
     reconfirm: bool = False  # resuming a finished run: measure its final confirmation again (run --reconfirm)
+    budget_s: float | None = None  # the run's time budget (run --budget), over the recipe's workload.budget_s
 
     def __init__(self, recipe: Recipe | str | Path | dict, *, out_dir: str | Path | None = None, progress: bool | Callable[[str], None] = True,
                  machine: Machine | None = None, runtimes: Runtimes | None = None, build: Build | None = None,
@@ -96,28 +98,33 @@ class Pipeline:
         self._machine: Machine | None = None  # the probed machine, with the recipe's price
         self._limits: MachineLimits | None = None  # the ceilings in use (given, probed, or from the journal)
         self._stage = ""  # what the step in progress is doing, for its failure message
+        self._budget = TimeBudget(None)  # the run's time budget, started by run()
 
     # ------------------------------------------------------------------ the run
     def run(self) -> Result:
         machine = self._machine = self.recipe.machine.on(self.machine or Machine.probe())  # the recipe's machine price, for the cost per token
         self._trace = Trace(recipe=self.recipe.to_dict(), machine=machine.to_dict(), run=run_info(self.recipe.to_dict(), machine.to_dict()))
         self._requests = self.recipe.workload.requests()
+        self._budget = TimeBudget(self.budget_s or self.recipe.workload.budget_s)
+        if isinstance(self.progress, Progress):
+            self.progress.budget_s = self._budget.budget_s  # the status line shows the budget left
         passes = list(self.recipe.passes)
         self.journal.open(self.recipe, machine, resume=self.resume)  # refuses a resume whose inputs changed
         self._save()  # from here trace.json says finished: false, before any model loads
         self._baseline(machine)
         for index, p in enumerate(passes, start=1):
-            if self.stop_at_target and (done := stop_reason(self._trace)):  # every target met: the rest is skipped
+            if done := (self.stop_at_target and stop_reason(self._trace)) or self._budget.spent():  # every target met, or the budget spent
                 step = Step(pass_name=p.name, layer=p.layer.section, params=p.params(), status="", reason="")
                 self._skip(step, f"[{index}/{len(passes)}] {p.layer.section}/{p.describe()}", done)
                 self._record(step, "")
                 continue
-            steps = PassSteps(p)  # a pass runs as the steps it proposes one at a time (a search: from its levels' outcomes)
+            # A pass runs as the steps it proposes one at a time (a search: from the kept plan, the load and the budget left).
+            steps = PassSteps(p, context=lambda after=len(passes) - index: self._context(machine, after))
             for s in steps:
                 label = f"{steps.label(index, len(passes))} {s.layer.section}/{s.describe()}"
                 step = Step(pass_name=s.name, layer=s.layer.section, params=s.params(), status="", reason="")
                 outcome = self._try(s, p if steps.searches else None, step, label, machine)
-                steps.record(s, step.status, outcome, step.reason)
+                steps.record(s, step.status, outcome, step.reason, metrics=step.metrics, plan=step.plan)
                 self._record(step, outcome)
             if (found := steps.conclusion(self.recipe.policy.guards_for(p.layer))) is not None:  # a search's answer
                 self._trace.searches.append(found)
@@ -130,6 +137,10 @@ class Pipeline:
         if isinstance(self.progress, Progress):
             self.progress.done("done" + (f": results in {self.out_dir}" if self.out_dir else ""))
         return Result(plan=self.kept.plan, trace=self._trace, recipe=self._trace.to_recipe(), out_dir=self.out_dir)
+
+    def _context(self, machine: Machine, passes_after: int) -> SearchContext:  # the kept plan, the load, the gate's skip rule, the budget left
+        return search_context(plan=self.kept.plan, machine=machine, workload=self.recipe.workload, trace=self._trace, budget=self._budget,
+                              passes_after=passes_after, skip=lambda p, plan: skip_reason(p, plan, machine, refuse=self.refuse), runtimes=self.runtimes)
 
     def _baseline(self, machine: Machine) -> None:
         """The baseline: from the journal when resuming, else measured (:meth:`_measure_baseline`)
@@ -220,8 +231,7 @@ class Pipeline:
         return outcome
 
     # ------------------------------------------------------------------ failures
-    def _fail(self, step: Step, label: str, e: BaseException, stage: str) -> None:
-        """Record ``e`` as the step's failure: which stage, what was raised, the last frames."""
+    def _fail(self, step: Step, label: str, e: BaseException, stage: str) -> None:  # which stage, what was raised, the last frames
         step.status = "failed"
         step.reason = records.failure_text(e, stage, self.recipe.policy.timeout_s)
         step.timings["traceback"] = records.traceback_text(e)  # type: ignore[assignment]
@@ -229,16 +239,11 @@ class Pipeline:
 
     def _fail_baseline(self, e: BaseException) -> None:
         """The baseline failed: record it (trace.json finished, the failure as the baseline step) and end the run."""
-        reason = records.failure_text(e, self._stage or "baseline", self.recipe.policy.timeout_s)
-        self._trace.baseline = Step(pass_name="baseline", layer="-", params={}, status="failed", reason=reason,
-                                    timings={"traceback": records.traceback_text(e)})  # type: ignore[dict-item]
+        self._trace.baseline = records.failed_baseline(e, self._stage or "baseline", self.recipe.policy.timeout_s)
         self._trace.finished = True
         self._save()
-        self.progress(f"baseline: failed ({_clip(reason, 160)})")
-        if isinstance(e, RecipeError | ModelSourceError):
-            raise e  # bad input keeps its own message and exit code
-        where = f" {self.out_dir / 'trace.json'} records it." if self.out_dir is not None else ""
-        raise RunFailed(f"the baseline failed, so no pass was tried: {reason}.{where}") from e
+        self.progress(f"baseline: failed ({_clip(self._trace.baseline.reason, 160)})")
+        raise records.baseline_error(e, self._trace.baseline.reason, self.out_dir)
 
     # ------------------------------------------------------------------ helpers
     def _new_measurer(self, machine: Machine, limits: MachineLimits | None, *, like: StepMeasurer | None = None) -> StepMeasurer:
@@ -251,13 +256,11 @@ class Pipeline:
             setattr(steps, name, getattr(like, name, None))
         return steps
 
-    def _enter(self, stage: str) -> None:
-        """The step moves on to ``stage`` (named in its failure message); a step past its deadline stops here."""
+    def _enter(self, stage: str) -> None:  # the step moves on to ``stage`` (named in its failure message); past its deadline it stops here
         checkpoint()
         self._stage = stage
 
-    def _say(self, message: str) -> None:
-        """Progress from inside a step; also where a step past its deadline stops (:func:`.deadline.checkpoint`)."""
+    def _say(self, message: str) -> None:  # progress from inside a step; also where a step past its deadline stops (.deadline.checkpoint)
         checkpoint()
         self.progress(message)
 
@@ -283,8 +286,7 @@ class Pipeline:
         baseline_eval = base.metrics.get("quality", {}).get("eval_items") if base is not None else None
         return self.quality.score(engine, m, label, requests=self._requests, baseline_eval=baseline_eval, is_baseline=base is None)
 
-    def _metrics(self, m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:
-        """A step's metrics, keeping the telemetry the runtimes declare (:func:`.records.metrics`)."""
+    def _metrics(self, m: Measurement, quality: dict[str, Any]) -> dict[str, Any]:  # keeping the telemetry the runtimes declare (.records.metrics)
         return records.metrics(m, quality, telemetry=[key for caps in self.runtimes for key in caps.telemetry])
 
     def _record(self, step: Step, outcome: str) -> None:
@@ -347,16 +349,14 @@ class Pipeline:
         return True
 
     def _from_journal(self, step: Step, label: str) -> str | None:
-        """Resuming: ``step`` and the kept state after it from the journal; returns the record's
-        outcome, or None when the journal holds no more steps (this one runs)."""
+        """Resuming: ``step`` and the kept state after it from the journal; the record's outcome, or None (no more steps: this one runs)."""
         if (restored := self.journal.restore_step(len(self._trace.steps) + 1, step, label)) is None:
             return None
         outcome, state = restored
         self._restore(state)
         return outcome
 
-    def _restore(self, state: dict[str, Any]) -> None:
-        """The kept state a journal record holds, and the measurer's memory with it."""
+    def _restore(self, state: dict[str, Any]) -> None:  # the kept state a journal record holds, and the measurer's memory with it
         self.kept, measurer = Kept.from_record(state)
         for name, value in measurer.items():
             setattr(self._steps, name, value)

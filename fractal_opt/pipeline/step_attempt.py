@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.machine import Machine
+from ..core.text import fmt
 from ..engine.protocol import Engine
+from ..language.guards import QUALITY_METRICS
 from ..language.policy import Verdict
 from ..language.recipe import Recipe
-from ..measure.metrics import Measurement
+from ..measure.metrics import METRICS, Measurement
 from ..quality.probes import agreement_between
 from ..report.trace import Step
 from ..tower.passes import Layer, Pass
@@ -93,10 +95,13 @@ def attempt(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, ke
         step.census = engine.census()
         env.enter("measure")
         t0 = time.perf_counter()
-        cmp = steps.compare(engine, kept.measurement, mode=mode, objective=env.recipe.policy.objective_for(p.layer), label=label)
+        screen = ramp is not None and ramp.screens()  # a generated candidate: a short screen first (Pass.screens)
+        cmp = steps.compare(engine, kept.measurement, mode=mode, objective=env.recipe.policy.objective_for(p.layer), label=label, screen=screen)
         checkpoint()  # a worker past its deadline leaves the kept state alone
-        kept = dataclasses.replace(kept, measurement=cmp.before)  # the previous plan, measured afresh beside the candidate
         step.timings.update(warmup_s=round(cmp.after.warmup_s, 2), measure_s=round(time.perf_counter() - t0, 2))
+        if cmp.screened_out:
+            return _screened_out(env, step, label, kept, candidate, engine, cmp, mode)
+        kept = dataclasses.replace(kept, measurement=cmp.before)  # the previous plan, measured afresh beside the candidate
         env.enter("quality")
         quality, unscored = _quality(env, p, ramp, step, label, kept, candidate, engine, cmp)
         env.enter("judge")
@@ -173,6 +178,8 @@ def _judge(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, kep
     verdict = unscored[1] if unscored else _verdict(env, p, step, kept, cmp, quality)
     step.changes, step.bands = verdict.changes, verdict.bands
     step.metrics["guards"] = verdict.guards  # the guards in force, for the report
+    if verdict.tripped:  # which guards stopped the step (a search does not try the same weights again after a quality guard)
+        step.metrics["tripped"] = {"guards": verdict.tripped, "quality": [m for m in verdict.tripped if m in QUALITY_METRICS]}
     step.plan = candidate.to_dict()
     keep, step.reason = verdict.kept, verdict.reason
     if unscored:
@@ -189,6 +196,26 @@ def _judge(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, kep
     if keep:
         kept = Kept(plan=candidate, measurement=after, quality=quality, census=step.census)
     return verdict.outcome, kept
+
+
+def _screened_out(env: StepEnv, step: Step, label: str, kept: Kept, candidate: Plan, engine: Engine, cmp: Comparison, mode: str) -> tuple[str, Kept]:
+    """A candidate its screen stopped: recorded with the screen's numbers and why, released as a
+    rollback is; the kept state (and its last full measurement) stays as it was."""
+    screen = cmp.info["screen"]
+    step.metrics = env.metrics(cmp.after, {})
+    step.metrics.update(weight_mb=_weight_mb(step.census), screen=screen, comparison=cmp.info)
+    step.plan = candidate.to_dict()
+    step.status = "screened_out"
+    better = "above +" if METRICS.get(screen["metric"], True) else "below -"
+    low, high = screen.get("interval") or (None, None)
+    numbers = f"{screen['metric']} {screen['change']:+.1%} [95%: {low:+.1%}, {high:+.1%}] in {screen['rounds']} paired round" if low is not None \
+        else f"{screen['metric']}: no paired reading"
+    step.reason = (f"screened out: {numbers} against the kept plan ({fmt(screen['before'])} -> {fmt(screen['after'])}); "
+                   f"the interval does not reach {better}{screen['min_effect']:.0%} (min_effect), so the full rounds and the quality gate were not run")
+    env.progress(f"{label}: screened out ({env.clip(step.reason, 160)})")
+    checkpoint()
+    env.measurer.after_verdict(False, engine, kept.plan, mode)
+    return "screened_out", kept
 
 
 def _skip(env: StepEnv, step: Step, label: str, reason: str) -> None:

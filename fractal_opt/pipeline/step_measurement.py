@@ -42,6 +42,7 @@ from ..measure.noise import band, resolution
 from ..measure.preflight import batch_size, preflight
 from ..measure.roofline import ModelShape, dtype_bits, kv_bytes_per_token, step_roofline, unreliable_shares
 from ..measure.runner import Runner, measure, measure_pair, paired_changes
+from ..measure.screen import screen_interval, screen_record
 from ..tower.plan import Plan
 from ..workloads.workload import Request, Workload
 
@@ -85,7 +86,8 @@ class Comparison:
     changes: dict[str, float | None]
     bands: dict[str, float]
     intervals: dict[str, list[float]]
-    info: dict[str, Any] = field(default_factory=dict)  # mode, rounds, drift note
+    info: dict[str, Any] = field(default_factory=dict)  # mode, rounds, drift note, screen
+    screened_out: bool = False  # the screen's interval could not beat the kept plan: no full rounds
 
 
 class StepMeasurer:
@@ -120,6 +122,7 @@ class StepMeasurer:
         self.previous_solo_peak_mb: float | None = None  # the kept plan's own peak, measured without another model resident
         self.candidate_own_peak_mb: float | None = None  # the last compared candidate's own peak (for after_verdict)
         self.calibration: dict[str, float] = {}
+        self.calibration_noise: dict[str, Any] = {}  # the A/A intervals and rounds: one round's noise, for the screen
         self.prompt_tokens: int | None = None  # longest prompt, known after the baseline
         self._shapes: dict[str, ModelShape | None] = {}
 
@@ -190,6 +193,7 @@ class StepMeasurer:
         a, b = first.result(), second.result()
         intervals = paired_changes(a, b)
         self.calibration = {m: round(iv.change, 4) for m, iv in intervals.items()}
+        self.calibration_noise = {"intervals": {m: iv.to_list() for m, iv in intervals.items()}, "rounds": len(b.repeats)}
         self.previous = engine
         self.previous_solo_peak_mb = b.median("peak_memory_mb")  # one engine twice: one model resident
         self.prompt_tokens = max((s.prompt_tokens for s in b.samples), default=None)
@@ -219,18 +223,33 @@ class StepMeasurer:
             self.runtimes.clear_cache()
         return "back_to_back"
 
-    def compare(self, candidate: Engine, current: Measurement, *, mode: str, objective: str, label: str) -> Comparison:
+    def compare(self, candidate: Engine, current: Measurement, *, mode: str, objective: str, label: str, screen: bool = False) -> Comparison:
+        """The candidate against the kept plan. ``screen``: after the first round, stop unless the
+        screen interval of ``objective`` can still beat the kept plan by min_effect (:mod:`~fractal_opt.measure.screen`);
+        the comparison then says ``screened_out`` and holds that one round."""
         def progress(m: str) -> None:
             self.say(f"{label}: measuring, {m}")
+
+        screened: dict[str, Any] = {}
+
+        def screen_round(before: Measurement, after: Measurement) -> bool:
+            interval = screen_interval(before, after, objective, calibration=self.calibration_noise)
+            screened.update(screen_record(interval, objective, min_effect=self.min_effect, before=before, after=after))
+            self.say(f"{label}: screen {objective} {_signed(screened.get('change'))} {_bounds(screened.get('interval'))}: "
+                     + ("full rounds" if screened["passed"] else "cannot beat the kept plan by min_effect"))
+            return bool(screened["passed"])
 
         if mode == "interleaved" and self.previous is not None:
             # The previous engine warmed up when it was measured first; its kernels and caches stay
             # warm (one warm-up per plan, as before interleaving), so only the candidate warms up.
             before, after = measure_pair(self.previous, candidate, self.workload, requests=self.requests, objective=objective,
-                                         min_effect=self.min_effect, warm_previous=False, progress=progress)
-            info = {"mode": "interleaved", "rounds": len(after.repeats)}
+                                         min_effect=self.min_effect, warm_previous=False, progress=progress,
+                                         screen=screen_round if screen else None)
+            info = {"mode": "interleaved", "rounds": len(after.repeats), **({"screen": screened} if screened else {})}
             drift = {}
-            if candidate.plan.weights_key() != self.previous.plan.weights_key():
+            if screened and not screened["passed"]:
+                info["memory"] = "screened out: no round alone (the interleaved round holds both models)"
+            elif candidate.plan.weights_key() != self.previous.plan.weights_key():
                 info["memory"] = self.solo_peak(candidate, before, after, progress)
         else:
             before, after = current, measure(candidate, self.workload, requests=self.requests, progress=progress)
@@ -243,7 +262,8 @@ class StepMeasurer:
         intervals = paired_changes(before, after)
         changes = {m: (round(intervals[m].change, 6) if m in intervals else None) for m in METRICS}
         bands = {m: round(band(intervals.get(m), min_effect=self.min_effect, drift=drift.get(m)), 4) for m in METRICS}
-        return Comparison(before=before, after=after, changes=changes, bands=bands, intervals={m: iv.to_list() for m, iv in intervals.items()}, info=info)
+        return Comparison(before=before, after=after, changes=changes, bands=bands, intervals={m: iv.to_list() for m, iv in intervals.items()}, info=info,
+                          screened_out=bool(screened) and not screened["passed"])
 
     def solo_peak(self, candidate: Engine, before: Measurement, after: Measurement, progress: Callable[[str], None]) -> str:
         """Release the previous model and serve one round of the candidate alone; its peak becomes
@@ -338,3 +358,13 @@ class StepMeasurer:
         )
         out["batch"] = batch
         return out
+
+
+def _signed(change: float | None) -> str:
+    """``+12%`` / ``-3%`` (``?`` when the round gave no pair)."""
+    return "?" if change is None else f"{change:+.0%}"
+
+
+def _bounds(interval: Sequence[float] | None) -> str:
+    """``[-12%, +7%]`` (nothing without an interval)."""
+    return f"[{interval[0]:+.0%}, {interval[1]:+.0%}]" if interval else ""

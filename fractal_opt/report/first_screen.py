@@ -21,7 +21,7 @@ from .confirmation import final_lines
 from .figures import Figure, name_of
 from .reader import Load, Objective, Reader
 
-__all__ = ["FirstScreen", "Group", "Item", "Line", "first_screen", "markdown_lines", "text_lines"]
+__all__ = ["FirstScreen", "Group", "Item", "Line", "first_screen", "markdown_lines", "searched", "text_lines"]
 
 # The figures one user feels, and those of a load shared by several requests (after the objectives).
 ONE_USER = ("decode_tokens_per_s", "ttft_ms", "e2e_ms")
@@ -67,10 +67,19 @@ class FirstScreen:
     plain: tuple[str, ...] = field(default=())  # nothing measured against the baseline: what is known, in sentences
 
 
+def searched(trace: object) -> str:
+    """``. Searched: hardware 9 candidates (6 screened out, 3 judged in full), model 2 (...)``: what
+    the layers' searches considered, after the kept steps (nothing when no layer searched)."""
+    parts = [f"{s['layer']} {s['considered']} candidate{'' if s['considered'] == 1 else 's'} ({s['screened_out']} screened out, "
+             f"{s['kept'] + s['rolled_back']} judged in full)" for s in getattr(trace, "searches", []) if "considered" in s]
+    return f". Searched: {', '.join(parts)}" if parts else ""
+
+
 def first_screen(trace: object) -> FirstScreen:
     """What the run answers (see the module docstring)."""
     reader = Reader(trace)
     kept = ", ".join(reader.kept_labels()) or "nothing (the final plan is the baseline)"
+    kept += searched(trace)
     answers = answers_kept(reader)
     if not reader.measured:
         sentences = final_lines(reader.final, markdown=False) if reader.final else ["No step has finished yet."]

@@ -48,6 +48,10 @@ def tower(steps: list[tuple[str, Step]], policy: Policy) -> str:
         detail = esc(status_text(s.status))
         if is_num(change):
             detail += f" · {esc(objective)} <tspan{data_attrs(idx, f'changes.{objective}', change)}>{change:+.1%}</tspan>"
+        elif s.status == "screened_out" and is_num((screen := s.metrics.get("screen") or {}).get("change")):
+            low, high = screen["interval"]  # one paired round: the screen's change and the interval it was stopped on
+            detail += (f" · {esc(screen['metric'])} <tspan{data_attrs(idx, 'metrics.screen.change', screen['change'])}>{screen['change']:+.1%}</tspan>"
+                       f" [{low:+.0%}, {high:+.0%}] in one round: cannot beat the kept plan by {screen['min_effect']:.0%}")
         elif s.status in ("skipped", "failed"):
             reason = s.reason.removeprefix("check: ")
             # the characters between the label and the right edge: bold 12 px ~7.5 px a character, 11 px ~6 px, 24 px apart
@@ -81,7 +85,7 @@ def waterfalls(trace: Trace, steps: list[tuple[str, Step]], policy: Policy) -> l
         first, last = _totals(trace, objective)
         cols: list[dict[str, Any]] = [first]
         for idx, s in steps[1:]:
-            if s.layer != layer.section or not s.metrics:
+            if s.layer != layer.section or not s.metrics or s.status == "screened_out":  # a screened candidate had one round: the tower shows it
                 continue
             after, change = s.metrics.get(objective), s.changes.get(objective)
             before = after / (1 + change) if is_num(after) and is_num(change) and change != -1 else None

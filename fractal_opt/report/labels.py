@@ -15,8 +15,9 @@ def non_default_params(pass_name: str, params: dict[str, Any]) -> dict[str, Any]
     """``params`` without the ones equal to the pass's defaults, except the first
     (:meth:`fractal_opt.tower.passes.Pass.shown_params`); all of them for an unknown pass."""
     from ..layers import registry
+    from ..search.search_pass import Search
 
-    cls = registry().get(pass_name)
+    cls = Search if pass_name == Search.name else registry().get(pass_name)  # `search`: one class a layer, the same parameters
     if cls is None:  # a plugin not installed here: show everything rather than guess
         return dict(params)
     return cls.shown_params(params)

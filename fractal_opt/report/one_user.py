@@ -41,8 +41,8 @@ FIGURES: tuple[tuple[str, str, str, float], ...] = (
     ("decode_tokens_per_s", "streams", "tok/s", 1.0),
     ("e2e_ms_p50", "answer", "s", 1e-3),  # stored in ms; a whole answer takes seconds
 )
-# Steps that measured nothing, so there is nothing one user got from them.
-_UNMEASURED = ("skipped", "failed")
+# Steps that measured nothing (or one screening round, which the tower shows), so no line of what one user got.
+_UNMEASURED = ("skipped", "failed", "screened_out")
 
 
 @dataclass(frozen=True)

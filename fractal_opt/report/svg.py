@@ -19,7 +19,8 @@ from ..core.text import clip
 __all__ = ["COLOURS", "Bar", "Svg", "data_attrs", "esc", "fmt_num", "hbar_chart", "nice_max", "range_chart"]
 
 # Verdict colours (colour-blind safe pairs: blue / green / orange / red / grey).
-COLOURS = {"baseline": "#4c78a8", "kept": "#2e9e4f", "rolled_back": "#f58518", "failed": "#c0392b", "skipped": "#9e9e9e", "other": "#7f7f7f"}
+COLOURS = {"baseline": "#4c78a8", "kept": "#2e9e4f", "rolled_back": "#f58518", "screened_out": "#b279a2", "failed": "#c0392b", "skipped": "#9e9e9e",
+           "other": "#7f7f7f"}
 FONT = 12
 LABEL_W = 260  # left margin of the row charts, for step labels
 _LABEL_CHARS = 38  # characters of a step label per line in that margin (11 px system-ui: ~6.2 px a character, 8 px kept clear)

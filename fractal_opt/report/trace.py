@@ -36,7 +36,7 @@ class Step:
     pass_name: str
     layer: str
     params: dict[str, Any]
-    status: str  # baseline | kept | rolled_back | skipped | failed
+    status: str  # baseline | kept | rolled_back | screened_out | skipped | failed
     reason: str
     metrics: dict[str, Any] = field(default_factory=dict)  # medians + "quality" + "spread"
     changes: dict[str, float] = field(default_factory=dict)  # relative change vs the previous kept plan

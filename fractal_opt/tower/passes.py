@@ -35,7 +35,7 @@ if typing.TYPE_CHECKING:
     from ..core.machine import Machine
     from .plan import Plan
 
-__all__ = ["ENTRY_POINT_GROUP", "Layer", "Pass", "StepResult", "register", "registered"]
+__all__ = ["ENTRY_POINT_GROUP", "Layer", "Pass", "SearchContext", "StepResult", "register", "registered"]
 
 ENTRY_POINT_GROUP = "fractal_opt.passes"  # a public name: plugins register under it (not the module path)
 
@@ -75,6 +75,34 @@ class StepResult:
     step: Pass
     status: str
     outcome: str = ""
+    reason: str = ""  # the step's reason as the trace records it (which guard stopped it, the screen's numbers)
+    quality_tripped: tuple[str, ...] = ()  # the quality guards that stopped it (kl_mean, accuracy, ...): its answers were refused
+    plan: Any = None  # the candidate plan it measured (Plan.to_dict()), when it was built
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchContext:
+    """What a pass that generates its steps may read when it proposes the next one
+    (:meth:`Pass.next_step`): the kept plan now, the machine, the workload (its load), the runtimes,
+    why the runner would skip a step, and the time the run has left.
+
+    ``skip(pass, plan)``: why the runner would skip that step on that plan, or None (the gate's
+    rule: unavailable, check, changes nothing, the runtime refuses). ``runtimes``: the run's
+    registry of runtime tables (iterable :class:`~fractal_opt.engine.capabilities.Capabilities`).
+    ``remaining_s``: seconds left of the run's time budget for this search, after what the steps
+    behind it and the final confirmation need (None: no budget). ``step_s``: the mean seconds a
+    ``screened_out`` step and a fully judged one took in this run so far (keys present once one has).
+    ``refused``: the plans of this run whose answers a quality guard refused, every layer's.
+    """
+
+    plan: Plan
+    machine: Machine
+    workload: Any = None
+    skip: Any = None
+    runtimes: Any = ()
+    remaining_s: float | None = None
+    step_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    refused: tuple[tuple[str, Any, tuple[str, ...]], ...] = ()  # (label, Plan.to_dict(), quality guards) of each plan whose answers were refused
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,9 +133,12 @@ class Pass:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ searches
-    def next_step(self, history: Sequence[StepResult]) -> Pass | None:
+    def next_step(self, history: Sequence[StepResult], *, context: SearchContext | None = None) -> Pass | None:
         """The next step the runner runs for this pass, given how its earlier steps ended, or None
         when the pass is done. Default: the pass itself, once.
+
+        ``context`` (:class:`SearchContext`): the kept plan, the machine, the load and the time
+        left, for a pass that generates its candidates from them (the ``search`` pass).
 
         A pass that searches (a concurrency search: double the level until a guard trips, then
         bisect) proposes its steps one at a time from ``history``; the runner measures and judges
@@ -116,17 +147,25 @@ class Pass:
         """
         return None if history else self
 
+    def screens(self) -> bool:
+        """Whether :meth:`next_step`'s steps first get a short paired screen against the kept plan,
+        and only a step whose screen interval can still beat it by ``min_effect`` gets the full
+        rounds and the quality gate (the others end ``screened_out``). Default False: every step is
+        judged in full (a concurrency level may hold without beating anything)."""
+        return False
+
     def holds(self, outcome: str) -> str | None:
         """Why one of :meth:`next_step`'s steps is kept although its verdict ``outcome`` did not keep
         it (appended to the reason), or None: the policy's verdict stands. Asked only of a pass
         whose steps are not itself (a search)."""
         return None
 
-    def conclusion(self, history: Sequence[StepResult], *, guards: Sequence[Any] = ()) -> dict[str, Any] | None:
+    def conclusion(self, history: Sequence[StepResult], *, guards: Sequence[Any] = (), context: SearchContext | None = None) -> dict[str, Any] | None:
         """What the steps found, for the trace and the report (``answer``: one sentence), or None.
 
         ``guards`` are the policy's guards for the pass's layer (objects with ``metric``, ``min``,
-        ``max``), so the answer can name the limits it was found under.
+        ``max``), so the answer can name the limits it was found under; ``context`` the kept plan
+        and the time left when the pass ended (what a search did not try).
         """
         return None
 

@@ -56,6 +56,9 @@ class Workload:
             output_tokens, ...}``, see :class:`fractal_opt.load.LoadProfile`). With it, every plan is
             measured through a server under that load (aggregate tokens/s, TTFT / ITL percentiles);
             without it, the suite is served synchronously.
+        budget_s: the run's time budget in seconds (None = none): searches order their work to fit
+            it, and once it is spent the remaining passes are skipped and the best plan found is
+            confirmed (``fractal-opt run --budget 6m`` overrides it).
     """
 
     suite: str = "default"
@@ -66,6 +69,7 @@ class Workload:
     seed: int = 0
     limit: int | None = None
     load: dict[str, Any] | None = None  # a load profile (fractal_opt.load.LoadProfile): measure through a server under load
+    budget_s: float | None = None  # the run's time budget (seconds), baseline and final confirmation included
 
     def __post_init__(self) -> None:
         for name, low in (("max_new_tokens", 1), ("repeats", 1), ("warmup", 0)):
@@ -73,6 +77,8 @@ class Workload:
                 raise RecipeError(f"workload, key {name!r}: got {getattr(self, name)}, expected an integer >= {low}.")
         if self.max_repeats is not None and self.max_repeats < self.repeats:
             raise RecipeError(f"workload, key 'max_repeats': got {self.max_repeats}, expected an integer >= repeats ({self.repeats}) or null.")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise RecipeError(f"workload, key 'budget_s': got {self.budget_s}, expected seconds above 0 such as 360 (or null: no budget).")
         if self.limit is not None and self.limit < 1:
             raise RecipeError(f"workload, key 'limit': got {self.limit}, expected an integer >= 1 or null.")
         if self.load is not None:

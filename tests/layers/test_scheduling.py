@@ -183,3 +183,30 @@ def test_scheduling_fields_survive_plan_round_trip():
     """A plan with every scheduling field set survives to_dict/from_dict."""
     plan = Plan(source="tiny", scheduling=SchedulingPlan(batching="continuous", max_concurrency=4, streaming=False, max_queue=3, timeout_s=1.0, cb_num_blocks=8))
     assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def test_the_search_starts_at_the_requests_the_kept_plan_serves_at_once(machine):
+    """Under a closed load of 8 clients that continuous batching already serves at once, a search
+    from 4 starts at 8 (a lower level only offers less work and would measure "worse" without an
+    SLO failing), then doubles; without a load, or below the kept plan's own limit, start stands."""
+    from fractal_opt.tower.passes import SearchContext
+    from fractal_opt.workloads.workload import Workload
+
+    served = Batching(mode="continuous").apply(PLAN)
+    load = Workload(load={"mode": "closed", "concurrency": 8, "requests": 16})
+    ramp = Concurrency(mode="ramp", start=4, max_limit=16)
+    context = SearchContext(plan=served, machine=machine, workload=load)
+    assert ramp.next_step((), context=context) == Concurrency(limit=8)
+    assert ramp.next_step((StepResult(step=Concurrency(limit=8), status="kept"),), context=context) == Concurrency(limit=16)
+    assert ramp.next_step((), context=SearchContext(plan=served, machine=machine, workload=Workload())) == Concurrency(limit=4)
+    two = Concurrency(limit=2).apply(served)
+    assert ramp.next_step((), context=SearchContext(plan=two, machine=machine, workload=load)) == Concurrency(limit=4)
+
+
+def test_batching_runs_on_a_runtimes_own_quantized_kv_cache(machine):
+    """llama.cpp's q8_0 cache (kv_cache quantized, backend native) is the cache its continuous
+    batching runs on: the step is not skipped; a transformers quantized cache still is."""
+    native = ModelPlan(kv_cache="quantized", kv_bits=8, kv_backend="native")
+    assert Batching(mode="continuous").check(Plan(source="tiny", model=native), machine) is None
+    quanto = ModelPlan(kv_cache="quantized", kv_bits=8, kv_backend="quanto")
+    assert "dynamic KV cache" in Batching(mode="continuous").check(Plan(source="tiny", model=quanto), machine)

@@ -38,3 +38,15 @@ def test_the_eta_counts_finished_steps_only_and_falls_as_a_step_goes_on(monkeypa
     assert lines[1].startswith("[10s · step 2/3 · ETA 20s]")
     assert lines[2].startswith("[15s · step 2/3 · ETA 15s]")
     assert lines[3].startswith("[40s · step 2/3 · ETA 10s]")
+
+
+def test_with_a_budget_the_line_shows_what_is_left_and_the_eta_never_runs_past_it(monkeypatch):
+    """A run with a 30 s budget: each line says how much of it is left, and the ETA is at most that."""
+    p, out = _progress_on_clock(monkeypatch, [0.0, 0.0, 10.0, 20.0])
+    p.budget_s = 30.0
+    p("[1/5] a: building")
+    p("[2/5] b: building")  # one step took 10 s, four remain (40 s), but only 20 s of the budget are left
+    p("baseline: nothing")  # no step: the budget alone
+    lines = out.getvalue().splitlines()
+    assert lines[1] == "[10s · step 2/5 · ETA 20s · budget 20s left] b: building"
+    assert lines[2].endswith("budget 10s left] baseline: nothing")

@@ -30,6 +30,16 @@ CAPABILITIES = Capabilities(
     # A model's layers over rpc-servers (llama-server --rpc), and copies behind HAProxy: both need
     # the llama-server executable (runtime_path), whose children they are.
     placements=frozenset({"rpc", "replicas"}),
+    knobs=(
+        ("runtime", {"backend": "llama_cpp", "path": "native"},
+         "llama-server built for this CPU (make setup-llama-native): the wheel's kernels are AVX2 only, this build uses AVX-512 and bf16 units where the CPU has them"),
+        ("runtime", {"backend": "llama_cpp", "path": "native", "dtype": "bfloat16"},
+         "the build for this CPU on the weights widened to BF16: its bf16 dot products, where the quantized kernels change answers"),
+        ("flash_attention", {"mode": "on"}, "fused attention: one pass over the KV cache per token, and the shortest prefill of long prompts"),
+        ("llama_batch", {"n_ubatch": 128}, "prefill in forward passes of 128 tokens: smaller matmuls whose weights stay in cache"),
+        ("llama_batch", {"n_batch": 256, "n_ubatch": 256}, "a long prompt in 256-token steps: decoding slots wait a shorter step for their next token"),
+        ("kv_cache", {"implementation": "quantized", "bits": 8, "backend": "native"}, "q8_0 keys and values: half the KV bytes each decode step reads"),
+    ),
     evict="fractal_opt.runtimes.llama_cpp:evict_except",
     clear="fractal_opt.runtimes.llama_cpp:clear_cache",
 )

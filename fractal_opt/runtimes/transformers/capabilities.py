@@ -46,6 +46,10 @@ CAPABILITIES = Capabilities(
     batch_invariant=False,
     token_prompts=True,  # every prompt arrives as the token ids fractal_opt rendered (weights/prompts.py)
     default_threads="torch_threads",  # torch's intra-op pool, as this process started it
+    knobs=(
+        ("attention", {"implementation": "sdpa"}, "torch's fused scaled-dot-product attention instead of the eager matmuls"),
+        ("quantize", {"bits": 8, "backend": "torchao"}, "int8 weights (torchao): a quarter of float32's bytes read per token"),
+    ),
     idle=Idle(threads="torch's intra-op pool, shared by every model in this process", children="none",
               memory="the weights of each cached model (the cache holds the plans being compared)",
               pause="nothing to pause: it computes only inside a call, and a round calls only the engine it measures",

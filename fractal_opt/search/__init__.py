@@ -1,0 +1,1 @@
+"""Search: a layer's candidates generated from the runtimes, the model, the machine and the load (candidates), and the ``search`` pass that proposes them one at a time within the time budget (search_pass)."""
