@@ -59,7 +59,7 @@ class PassSteps:
         self.history: list[StepResult] = []
         self._context = context or (lambda: None)  # the kept plan, machine, load and time left when each step is proposed
         first = source.next_step((), context=self._context())
-        self.searches = first is not None and first != source
+        self.searches = first is None or first != source  # a search may find nothing to try: it still answers why
         self.screens = self.searches and source.screens()  # its steps are screened before the full rounds
         self._next = first
 

@@ -128,7 +128,8 @@ class Pipeline:
                 self._record(step, outcome)
             if (found := steps.conclusion(self.recipe.policy.guards_for(p.layer))) is not None:  # a search's answer
                 self._trace.searches.append(found)
-                self._trace.steps[-1].reason += f" Search result: {found['answer']} ({found['summary']})."
+                if steps.history:  # its last step's reason carries the answer; a search that tried nothing has only its record
+                    self._trace.steps[-1].reason += f" Search result: {found['answer']} ({found['summary']})."
                 self.progress(f"[{index}/{len(passes)}] {p.layer.section}/{p.name}: {found['answer']}")
                 self._save()
         self._confirm_final(machine)  # final vs baseline, measured again (pipeline/confirm.py)

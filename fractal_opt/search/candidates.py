@@ -64,7 +64,8 @@ class Candidate:
 
 def generate(layer: Layer, context: SearchContext) -> list[Candidate]:
     """The candidates of ``layer`` for ``context``'s kept plan, most promising first (a stable sort
-    on the prediction: within a prediction, the order of the sources above)."""
+    on the prediction; within a prediction, a runtime's build for this CPU first, then the order of
+    the sources above)."""
     plan = context.plan
     own = _source_bits(plan.source)
     makers = {Layer.HARDWARE: _hardware, Layer.MODEL: _model, Layer.SCHEDULING: _scheduling}
@@ -78,7 +79,14 @@ def generate(layer: Layer, context: SearchContext) -> list[Candidate]:
         seen.add(after)
         now, then = plan_weight_bits(plan, own, context), plan_weight_bits(after, own, context)
         out.append(Candidate(p=p, why=why, predicted=predicted_ratio(now, then), origin=origin, bits=then, bits_now=now))
-    return sorted(out, key=lambda c: -c.predicted)
+    return sorted(out, key=lambda c: (-c.predicted, not _built_for_this_cpu(c.p)))
+
+
+def _built_for_this_cpu(p: Pass) -> bool:
+    """Whether ``p`` moves the plan to a runtime's build for this CPU (``path: native``): where the
+    roofline predicts two candidates alike (the same bytes a token), the build that uses this CPU's
+    vector units goes first, and the generic one is then screened against it."""
+    return p.name == "runtime" and getattr(p, "path", None) == "native"
 
 
 def predicted_ratio(bits_now: float, bits_after: float) -> float:
