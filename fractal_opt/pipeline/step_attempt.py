@@ -10,7 +10,9 @@ Speed first: a step whose objective did not beat its threshold is rolled back wh
 quality, so its KL, perplexity, eval set and custom probes are not scored (``quality_skipped`` in
 its metrics says why); the numbers its measured outputs give for free (agreement with the
 baseline's answers, path agreement) are kept. A search level that may hold (``Pass.holds``) is
-always scored: only its quality guards can refuse it.
+always scored: only its quality guards can refuse it. A screened candidate that changes the
+answers' numbers is scored right after its screen passes (:class:`_QualityFirst`), and a quality
+guard that trips there ends it before the full rounds.
 """
 
 from __future__ import annotations
@@ -96,14 +98,20 @@ def attempt(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, ke
         env.enter("measure")
         t0 = time.perf_counter()
         screen = ramp is not None and ramp.screens()  # a generated candidate: a short screen first (Pass.screens)
-        cmp = steps.compare(engine, kept.measurement, mode=mode, objective=env.recipe.policy.objective_for(p.layer), label=label, screen=screen)
+        first = _QualityFirst(env, p, step, label, kept, engine) if screen and candidate.numerics_key() != kept.plan.numerics_key() else None
+        cmp = steps.compare(engine, kept.measurement, mode=mode, objective=env.recipe.policy.objective_for(p.layer), label=label, screen=screen,
+                            quality_first=first)
         checkpoint()  # a worker past its deadline leaves the kept state alone
         step.timings.update(warmup_s=round(cmp.after.warmup_s, 2), measure_s=round(time.perf_counter() - t0, 2))
-        if cmp.screened_out:
+        if cmp.screened_out and not cmp.stopped_by_quality:
             return _screened_out(env, step, label, kept, candidate, engine, cmp, mode)
         kept = dataclasses.replace(kept, measurement=cmp.before)  # the previous plan, measured afresh beside the candidate
         env.enter("quality")
-        quality, unscored = _quality(env, p, ramp, step, label, kept, candidate, engine, cmp)
+        if first is not None and first.quality is not None:  # scored after the screen: the answers do not change with more rounds
+            quality, unscored = {**first.quality, **env.measured_quality(engine, cmp.after)}, None
+            step.timings["quality_s"] = first.seconds
+        else:
+            quality, unscored = _quality(env, p, ramp, step, label, kept, candidate, engine, cmp)
         env.enter("judge")
         return _judge(env, p, ramp, step, label, kept, candidate, engine, cmp, quality, mode, unscored=unscored)
     except (Exception, SystemExit, StepTimeout) as e:  # noqa: BLE001 - a failing step is recorded and rolled back; the run goes on
@@ -113,6 +121,27 @@ def attempt(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, ke
         env.fail(step, label, e, stage)
         _release(steps, engine, kept.plan, mode)
         return "", kept
+
+
+class _QualityFirst:
+    """A screened candidate that changes the answers' numbers (other weights or types, another
+    runtime's kernels) is scored by the quality gate right after its screen passes, before the full
+    rounds: an expert checks that a faster model still answers before timing it closely, and a
+    quality guard that trips ends the step there (rolled back, with the one round's numbers)."""
+
+    def __init__(self, env: StepEnv, p: Pass, step: Step, label: str, kept: Kept, engine: Engine):
+        self.env, self.p, self.step, self.label, self.kept, self.engine = env, p, step, label, kept, engine
+        self.quality: dict[str, Any] | None = None
+        self.seconds = 0.0
+
+    def __call__(self, cmp: Comparison) -> bool:
+        """Whether the candidate may go on to the full rounds: no quality guard tripped."""
+        t0 = time.perf_counter()
+        self.quality = self.env.quality(self.engine, cmp.after, self.label)
+        self.seconds = round(time.perf_counter() - t0, 2)
+        kept = dataclasses.replace(self.kept, measurement=cmp.before)
+        tripped = _verdict(self.env, self.p, self.step, kept, cmp, self.quality).tripped
+        return not any(m in QUALITY_METRICS for m in tripped)
 
 
 def _quality(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, kept: Kept, candidate: Plan, engine: Engine,
@@ -182,6 +211,9 @@ def _judge(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, kep
         step.metrics["tripped"] = {"guards": verdict.tripped, "quality": [m for m in verdict.tripped if m in QUALITY_METRICS]}
     step.plan = candidate.to_dict()
     keep, step.reason = verdict.kept, verdict.reason
+    if cmp.stopped_by_quality:
+        step.reason += ("; the quality gate ran after the screen (the answers' numbers change) and a quality guard tripped, "
+                        "so the full rounds were not run")
     if unscored:
         step.metrics["quality_skipped"] = unscored[0]
         step.reason += "; quality not scored (it cannot keep a step whose objective did not improve)"

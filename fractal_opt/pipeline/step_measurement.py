@@ -25,10 +25,11 @@ already is their own and no round is added.
 
 from __future__ import annotations
 
+
 import gc
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.machine import Machine, resolve_device
@@ -88,6 +89,7 @@ class Comparison:
     intervals: dict[str, list[float]]
     info: dict[str, Any] = field(default_factory=dict)  # mode, rounds, drift note, screen
     screened_out: bool = False  # the screen's interval could not beat the kept plan: no full rounds
+    stopped_by_quality: bool = False  # the screen passed, then a quality guard tripped: no full rounds
 
 
 class StepMeasurer:
@@ -223,10 +225,13 @@ class StepMeasurer:
             self.runtimes.clear_cache()
         return "back_to_back"
 
-    def compare(self, candidate: Engine, current: Measurement, *, mode: str, objective: str, label: str, screen: bool = False) -> Comparison:
+    def compare(self, candidate: Engine, current: Measurement, *, mode: str, objective: str, label: str, screen: bool = False,
+                quality_first: Callable[[Comparison], bool] | None = None) -> Comparison:
         """The candidate against the kept plan. ``screen``: after the first round, stop unless the
         screen interval of ``objective`` can still beat the kept plan by min_effect (:mod:`~fractal_opt.measure.screen`);
-        the comparison then says ``screened_out`` and holds that one round."""
+        the comparison then says ``screened_out`` and holds that one round. ``quality_first``: asked
+        with the one round's comparison once the screen passed; False (a quality guard tripped)
+        stops there too, and the comparison says ``stopped_by_quality``."""
         def progress(m: str) -> None:
             self.say(f"{label}: measuring, {m}")
 
@@ -236,7 +241,11 @@ class StepMeasurer:
             interval = screen_interval(before, after, objective, calibration=self.calibration_noise)
             screened.update(screen_record(interval, objective, min_effect=self.min_effect, before=before, after=after))
             self.say(f"{label}: screen {objective} {_signed(screened.get('change'))} {_bounds(screened.get('interval'))}: "
-                     + ("full rounds" if screened["passed"] else "cannot beat the kept plan by min_effect"))
+                     + ("full rounds" if screened["passed"] else "cannot beat the kept plan by min_effect")
+                     + (", the quality gate first (the answers' numbers change)" if screened["passed"] and quality_first else ""))
+            if screened["passed"] and quality_first is not None and not quality_first(self._compared(before, after, {}, {})):
+                screened["stopped_by_quality"] = True
+                return False
             return bool(screened["passed"])
 
         if mode == "interleaved" and self.previous is not None:
@@ -257,13 +266,19 @@ class StepMeasurer:
                     "note": "previous and candidate did not fit in memory together: measured back to back; the band includes 2 x the A/A drift"}
             drift = self.calibration
             info["memory"] = "measured alone (back to back)"
+        if screened.get("stopped_by_quality"):
+            info["memory"] = "stopped by a quality guard after the screen: no round alone"
         # The candidate's own peak: its solo round's, or its rounds' when no other model was resident.
         self.candidate_own_peak_mb = after.median("peak_memory_mb")
+        return replace(self._compared(before, after, info, drift), screened_out=bool(screened) and not screened["passed"],
+                                   stopped_by_quality=bool(screened.get("stopped_by_quality")))
+
+    def _compared(self, before: Measurement, after: Measurement, info: dict[str, Any], drift: dict[str, float]) -> Comparison:
+        """The verdict's inputs from two measurements: paired changes, their intervals and bands."""
         intervals = paired_changes(before, after)
         changes = {m: (round(intervals[m].change, 6) if m in intervals else None) for m in METRICS}
         bands = {m: round(band(intervals.get(m), min_effect=self.min_effect, drift=drift.get(m)), 4) for m in METRICS}
-        return Comparison(before=before, after=after, changes=changes, bands=bands, intervals={m: iv.to_list() for m, iv in intervals.items()}, info=info,
-                          screened_out=bool(screened) and not screened["passed"])
+        return Comparison(before=before, after=after, changes=changes, bands=bands, intervals={m: iv.to_list() for m, iv in intervals.items()}, info=info)
 
     def solo_peak(self, candidate: Engine, before: Measurement, after: Measurement, progress: Callable[[str], None]) -> str:
         """Release the previous model and serve one round of the candidate alone; its peak becomes

@@ -154,3 +154,29 @@ def test_the_16_bit_copies_come_before_the_ggufs_own_4_bit_kernels_and_a_refusal
     context = SearchContext(plan=bf16, machine=machine, runtimes=RUNTIMES, refused=(("dtype(dtype=float32)", q41, ("accuracy",)),))
     open_, left = ModelSearch(only=("quantize",)).candidates(context)
     assert open_ == [] and all("below dtype(dtype=float32)" in why for _, why in left)
+
+
+def test_a_faster_candidate_whose_answers_change_is_stopped_by_the_quality_gate_after_its_screen(fake_model):
+    """bfloat16 decodes twice as fast but its log-probabilities drift past the KL guard: the
+    quality gate runs right after the passing screen, a quality guard trips, and the step is
+    rolled back on that one round (no full rounds, no round alone for memory)."""
+    recipe = _recipe(fake_model, {"only": ["dtype"]})
+    recipe["policy"]["guards"]["kl_mean"] = {"max": 0.01}
+    result = _run(recipe, speed={"hardware.dtype": {"bfloat16": 2.0}}, drift={"hardware.dtype": {"bfloat16": 5.0}})
+    (step,) = result.trace.steps
+    assert step.status == "rolled_back" and "kl_mean" in step.metrics["tripped"]["quality"], step.reason
+    assert step.metrics["comparison"]["rounds"] == 1 and step.metrics["comparison"]["screen"]["passed"]
+    assert "the quality gate ran after the screen" in step.reason and step.timings["quality_s"] >= 0
+    assert result.plan.hardware.dtype == "float32"
+
+
+def test_a_faster_candidate_that_keeps_the_answers_gets_its_full_rounds_and_its_quality_numbers(fake_model):
+    """The same candidate without the drift passes the quality gate after its screen, is measured
+    over the full rounds and kept, with the quality numbers scored after the screen."""
+    recipe = _recipe(fake_model, {"only": ["dtype"]})
+    recipe["policy"]["guards"]["kl_mean"] = {"max": 0.01}
+    result = _run(recipe, speed={"hardware.dtype": {"bfloat16": 2.0}})
+    (step,) = result.trace.steps
+    assert step.status == "kept", step.reason
+    assert step.metrics["comparison"]["rounds"] >= 4 and step.metrics["quality"]["kl_mean"] is not None
+    assert "the quality gate ran after the screen" not in step.reason
