@@ -10,8 +10,8 @@ Speed first: a step whose objective did not beat its threshold is rolled back wh
 quality, so its KL, perplexity, eval set and custom probes are not scored (``quality_skipped`` in
 its metrics says why); the numbers its measured outputs give for free (agreement with the
 baseline's answers, path agreement) are kept. A search level that may hold (``Pass.holds``) is
-always scored: only its quality guards can refuse it. A screened candidate that changes the
-answers' numbers is scored right after its screen passes (:class:`_QualityFirst`), and a quality
+always scored: only its quality guards can refuse it. A screened candidate with other weights,
+weight types or KV cache is scored right after its screen passes (:class:`_QualityFirst`), and a quality
 guard that trips there ends it before the full rounds.
 """
 
@@ -98,11 +98,12 @@ def attempt(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, ke
         env.enter("measure")
         t0 = time.perf_counter()
         screen = ramp is not None and ramp.screens()  # a generated candidate: a short screen first (Pass.screens)
-        first = _QualityFirst(env, p, step, label, kept, engine) if screen and candidate.numerics_key() != kept.plan.numerics_key() else None
+        first = _QualityFirst(env, p, step, label, kept, engine) if screen and _stores_differently(candidate, kept.plan) else None
         cmp = steps.compare(engine, kept.measurement, mode=mode, objective=env.recipe.policy.objective_for(p.layer), label=label, screen=screen,
                             quality_first=first)
         checkpoint()  # a worker past its deadline leaves the kept state alone
-        step.timings.update(warmup_s=round(cmp.after.warmup_s, 2), measure_s=round(time.perf_counter() - t0, 2))
+        scored_s = first.seconds if first is not None else 0.0  # the quality gate's time, counted as quality_s, not measure_s
+        step.timings.update(warmup_s=round(cmp.after.warmup_s, 2), measure_s=round(time.perf_counter() - t0 - scored_s, 2))
         if cmp.screened_out and not cmp.stopped_by_quality:
             return _screened_out(env, step, label, kept, candidate, engine, cmp, mode)
         kept = dataclasses.replace(kept, measurement=cmp.before)  # the previous plan, measured afresh beside the candidate
@@ -123,9 +124,17 @@ def attempt(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, ke
         return "", kept
 
 
+def _stores_differently(candidate: Plan, kept: Plan) -> bool:
+    """Whether ``candidate`` computes from other stored numbers than ``kept``: other weights or
+    weight types (another runtime's copy, a quantization) or another model section (its KV cache).
+    Such a candidate is predicted faster for the bytes it drops, and whether it keeps the answers
+    decides it; a knob that only reorders sums (batch sizes) is judged on speed first."""
+    return candidate.weights_key() != kept.weights_key() or candidate.model != kept.model
+
+
 class _QualityFirst:
-    """A screened candidate that changes the answers' numbers (other weights or types, another
-    runtime's kernels) is scored by the quality gate right after its screen passes, before the full
+    """A screened candidate that stores other numbers (:func:`_stores_differently`) is scored by
+    the quality gate right after its screen passes, before the full
     rounds: an expert checks that a faster model still answers before timing it closely, and a
     quality guard that trips ends the step there (rolled back, with the one round's numbers)."""
 

@@ -30,10 +30,11 @@ __all__ = ["TimeBudget", "parse_duration", "search_context", "step_seconds"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|min)?\s*$")
 _UNIT_S = {None: 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
-# A judged step on a tuned plan, reserved for each pass behind a search (seconds): continuous
-# batching took 30 s and the token cap 16 s on the tuned embedded model (recipes/quickstart.yaml,
-# 2-core Intel Xeon, 2026-12-05), where a step against the float32 baseline took 67 s.
-_STEP_RESERVE_S = 30.0
+# What each pass behind a search is reserved (seconds): on the tuned embedded model
+# (recipes/quickstart.yaml, `make demo`, 2-core Intel Xeon, 2026-12-05) continuous batching took
+# 26 s, the slots search 14 s (two screens), the q8_0 KV cache 32 s (a screen, then the quality
+# gate that stopped it) and the token cap 17 s, where a step against the float32 baseline took 55 s.
+_STEP_RESERVE_S = 25.0
 
 
 def parse_duration(value: str | float | int) -> float:
