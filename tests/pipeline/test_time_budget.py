@@ -46,7 +46,7 @@ def test_a_search_is_told_the_budget_less_what_the_run_needs_after_it():
     assert step_seconds(trace.steps) == {"screened_out": 6.0, "judged": 30.0}
     context = search_context(plan=Plan(source="x"), machine=cpu_machine(), workload=None, trace=trace, budget=budget, passes_after=2,
                              skip=lambda p, plan: None, runtimes=())
-    assert context.remaining_s == 300 - 50 - 20 - 2 * 30
+    assert context.remaining_s == 300 - 50 - 20 - 2 * 25
     assert context.refused == ()
     trace.steps[0].plan = {"hardware": {"runtime": "llama_cpp"}}
     trace.steps[0].metrics = {"tripped": {"guards": ["accuracy"], "quality": ["accuracy"]}}
