@@ -77,8 +77,7 @@ class Pipeline:
                  machine: Machine | None = None, runtimes: Runtimes | None = None, build: Build | None = None,
                  refuse: Callable[[Plan], str | None] | None = None, limits: MachineLimits | None = None, stop_at_target: bool = False,
                  wait_quiet: float = 0.0, resume: bool = False, force: bool = False):
-        # A real build needs the weights and tokenizer too, so a model folder without them is
-        # refused here (exit 2) rather than by the baseline's loader; a fake build needs neither.
+        # A real build needs the weights and tokenizer too: a folder without them is refused here (exit 2), not by the loader.
         self.recipe = load_recipe(recipe, complete_model=build is None)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.resume, self.force = resume, force

@@ -180,3 +180,14 @@ def test_a_faster_candidate_that_keeps_the_answers_gets_its_full_rounds_and_its_
     assert step.status == "kept", step.reason
     assert step.metrics["comparison"]["rounds"] >= 4 and step.metrics["quality"]["kl_mean"] is not None
     assert "the quality gate ran after the screen" not in step.reason
+
+
+def test_a_search_with_nothing_to_try_still_answers_why(fake_model):
+    """On a machine without bf16 units the dtype search has no candidate: no step is run, and the
+    trace still holds the search's answer (0 considered), not a missing record."""
+    recipe = _recipe(fake_model, {"only": ["dtype"]})
+    result = Pipeline(recipe, progress=False, machine=cpu_machine(cpu_flags=frozenset({"avx2"})), build=FakeEngine.factory(),
+                      refuse=FakeEngine.refuse, limits=LIMITS).run()
+    assert result.trace.steps == []
+    (found,) = result.trace.searches
+    assert found["considered"] == 0 and found["answer"].startswith("0 candidates considered")
