@@ -109,7 +109,9 @@ class Search(Pass):
         """Why candidate ``c`` is not tried at all on the kept plan now, or None (see :meth:`candidates`)."""
         plan = context.plan
         after = c.p.apply(plan)
-        if same := next((r for r in refusals if _same_answers(after, r[1])), None):
+        # A refused plan that computes what the kept plan computes was refused for something else
+        # (a scheduling step's batched answers, say): its numbers are not the reason, so they rule nothing out.
+        if same := next((r for r in refusals if _same_answers(after, r[1]) and not _same_answers(plan, r[1])), None):
             return (f"the same weights in the same types as {same[0]}, whose answers tripped {', '.join(same[2])}: "
                     "another build of the runtime rounds alike up to the order of its sums, so it is not judged again")
         if c.rung:

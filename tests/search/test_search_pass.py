@@ -191,3 +191,24 @@ def test_a_search_with_nothing_to_try_still_answers_why(fake_model):
     assert result.trace.steps == []
     (found,) = result.trace.searches
     assert found["considered"] == 0 and found["answer"].startswith("0 candidates considered")
+
+
+def test_a_refusal_of_the_kept_plans_own_numbers_rules_out_no_candidate():
+    """Slots for 4 clients on the kept continuous plan tripped agreement (batched answers): the same
+    weights as the kept plan, so the next slot count is still tried; a refusal of other weights
+    (Q4_1's) still rules out a build computing those."""
+    from fractal_opt.runtimes import RUNTIMES
+    from fractal_opt.search.search_pass import SchedulingSearch
+    from fractal_opt.tower.passes import SearchContext
+    from fractal_opt.tower.plan import Plan
+    from fractal_opt.workloads.workload import Workload
+
+    machine = cpu_machine(**BF16_MACHINE, packages={**cpu_machine().packages, "xllamacpp": "0.2"})
+    kept = Plan(source="smollm2-135m-instruct").replace_section("hardware", runtime="llama_cpp", dtype="bfloat16")
+    kept = kept.replace_section("scheduling", batching="continuous")
+    four = kept.replace_section("scheduling", max_concurrency=4).to_dict()
+    workload = Workload(load={"mode": "closed", "concurrency": 4, "requests": 4})
+    context = SearchContext(plan=kept, machine=machine, runtimes=RUNTIMES, workload=workload,
+                            refused=(("concurrency(mode=fixed, limit=4)", four, ("agreement",)),))
+    open_, left = SchedulingSearch(only=("concurrency",)).candidates(context)
+    assert any(getattr(c.p, "limit", None) == 8 for c in open_), [(c.p.describe(), w) for c, w in left]
