@@ -20,7 +20,6 @@ import dataclasses
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -29,6 +28,7 @@ from .core.machine import Machine
 from .engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
 from .tower.passes import Layer, Pass
 from .tower.plan import ApplicationPlan, HardwarePlan, ModelPlan, Plan, SchedulingPlan
+from .testing_models import LLAMA_SHAPE, fake_model_folder, tiny_model, tiny_tokenizer  # re-exported: the public helpers
 from .workloads.workload import Request, Workload
 
 __all__ = ["LLAMA_SHAPE", "FakeEngine", "check_pass", "cpu_machine", "embedded_installed", "fake_model_folder", "sample_plans", "tiny_model", "tiny_tokenizer"]
@@ -44,13 +44,6 @@ def embedded_installed(name: str = "smollm2-135m-instruct") -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
-
-
-# A chat template in the style of SmolLM2 (ChatML), so chat suites render as they would there.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 
 def cpu_machine(**overrides) -> Machine:
@@ -119,88 +112,15 @@ def check_pass(cls: type[Pass]) -> None:
                 assert getattr(new, other) == getattr(plan, other), f"pass {name!r} (layer {section}) changed the {other} section"
 
 
-# A small Llama-shaped config: enough for the budget, roofline and pre-flight arithmetic to count
-# bytes and FLOPs, while a FakeEngine serves the requests.
-LLAMA_SHAPE = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "intermediate_size": 512, "vocab_size": 512, "tie_word_embeddings": True, "max_position_embeddings": 4096}
-
-
-def fake_model_folder(path: str | Path, config: Mapping[str, Any] | None = None) -> Path:
-    """A model folder the recipe checks accept (config.json, a safetensors header, a tokenizer
-    file) for a :class:`FakeEngine`, which reads none of it. ``config`` defaults to a fake type."""
-    import json
-    import struct
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(dict(config) if config is not None else {"model_type": "fake"}), encoding="utf-8")
-    header = b'{"__metadata__": {}}'
-    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    (path / "tokenizer.json").write_text("{}", encoding="utf-8")
-    return path
-
-
-def tiny_tokenizer(path: str | Path, *, vocab_size: int = 512, chat_template: str | None = None) -> Any:
-    """Write a byte-level BPE tokenizer trained on the shipped reference text (a fraction of a
-    second; nothing downloaded) to ``path``, with :data:`CHAT_TEMPLATE` unless ``chat_template``
-    says otherwise (``""``: none, as a base model ships). Returns the tokenizer."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
-    from tokenizers import models as tokenizer_models
-    from transformers import PreTrainedTokenizerFast
-
-    from .quality.reference import reference_text
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(tokenizer_models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([reference_text()], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    template = CHAT_TEMPLATE if chat_template is None else chat_template
-    if template:
-        fast.chat_template = template
-    fast.save_pretrained(path)
-    return fast
-
-
-def tiny_model(path: str | Path, *, hidden_size: int = 128, layers: int = 2, vocab_size: int = 512, seed: int = 0) -> Path:
-    """Write a random-weight Llama and a byte-level BPE tokenizer with a chat template to ``path``.
-
-    The tokenizer is trained on the shipped reference text in a fraction of a second; nothing is
-    downloaded. Returns the folder, which a recipe's ``model:`` can name.
-    """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = Path(path)
-    fast = tiny_tokenizer(path, vocab_size=vocab_size)
-    config = LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query attention, as in SmolLM2
-        max_position_embeddings=4096,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = fast.pad_token_id
-    model.save_pretrained(path)
-    return path
-
-
 # --------------------------------------------------------------------------- fake engine
 
 # Per plan field ("section.field"), per value: a factor (speed) or a message (fail).
 FieldTable = Mapping[str, Mapping[Any, Any]]
+
+
+def _stored_bits(plan: Plan) -> int:
+    """Bits a weight the fake's census counts: a quantization's, else 16 in a 16-bit dtype, else 32."""
+    return plan.model.weight_bits or (16 if plan.hardware.dtype in ("bfloat16", "float16") else 32)
 
 
 def _lookup(table: FieldTable, plan: Plan) -> list[Any]:
@@ -314,15 +234,11 @@ class FakeEngine(Engine):
                 raise RuntimeError(messages[0])
             decode = _product(_lookup(speed or {}, plan))
             prefill = decode * _product(_lookup(prefill_speed or {}, plan))
-            bits = 16 if plan.hardware.dtype in ("bfloat16", "float16") else 32
-            if plan.model.weight_bits:
-                bits = plan.model.weight_bits
             engine = cls(plan, machine=machine, max_new_tokens=max_new_tokens, per_token_s=per_token_ms / 1000 / decode,
-                         prefill_s=prefill_ms / 1000 / prefill, weight_bytes=weight_bytes * bits // 32, vocab_size=vocab_size,
+                         prefill_s=prefill_ms / 1000 / prefill, weight_bytes=weight_bytes * _stored_bits(plan) // 32, vocab_size=vocab_size,
                          noise=sum(_lookup(drift or {}, plan)), prepare_s={"compile_s": 0.01} if plan.hardware.compile else {},
                          logprobs=logprobs)
-            engine.faults = {name: found[0] for name, table in (("serve", fail_serve), ("hang", hang_s), ("nan", nan))
-                             if (found := _lookup(table or {}, plan))}
+            engine.faults = {name: found[0] for name, table in (("serve", fail_serve), ("hang", hang_s), ("nan", nan)) if (found := _lookup(table or {}, plan))}
             engine.round_speed = tuple(next(iter(_lookup(round_speed or {}, plan)), ()))
             return engine
 

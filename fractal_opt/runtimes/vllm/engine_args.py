@@ -220,6 +220,21 @@ def _quantization(plan: Any) -> str | None:
     return None
 
 
+def _placement_args(plan: Any) -> list[str]:
+    """The flags that spread ``plan`` over ranks: tensor, pipeline and data parallel degrees."""
+    hw, args = plan.hardware, []
+    if hw.tensor_parallel > 1:
+        args += ["--tensor-parallel-size", str(hw.tensor_parallel)]
+    if hw.pipeline_parallel > 1:
+        args += ["--pipeline-parallel-size", str(hw.pipeline_parallel)]
+    if plan.scheduling.replicas > 1:
+        args += ["--data-parallel-size", str(plan.scheduling.replicas)]  # vLLM's own data-parallel ranks behind its own front end
+    if _on_cpu(plan) and ranks(plan) > 1:
+        # The CPU build runs each rank as a process of its own (its multiprocessing executor; Ray is for GPU nodes).
+        args += ["--distributed-executor-backend", "mp"]
+    return args
+
+
 def engine_args(plan: Any, *, draft_model: str | None = None) -> list[str]:
     """The ``vllm serve MODEL`` flags for ``plan`` (call :func:`refusals` first: refused fields are
     not represented here).
@@ -269,15 +284,7 @@ def engine_args(plan: Any, *, draft_model: str | None = None) -> list[str]:
     # prefix would make TTFT a cache hit instead of a prefill: it is on only when the plan says so,
     # and stated either way so the trace shows which.
     args.append("--enable-prefix-caching" if s.prefix_cache else "--no-enable-prefix-caching")
-    if hw.tensor_parallel > 1:
-        args += ["--tensor-parallel-size", str(hw.tensor_parallel)]
-    if hw.pipeline_parallel > 1:
-        args += ["--pipeline-parallel-size", str(hw.pipeline_parallel)]
-    if s.replicas > 1:
-        args += ["--data-parallel-size", str(s.replicas)]  # vLLM's own data-parallel ranks behind its own front end
-    if _on_cpu(plan) and ranks(plan) > 1:
-        # The CPU build runs each rank as a process of its own (its multiprocessing executor; Ray is for GPU nodes).
-        args += ["--distributed-executor-backend", "mp"]
+    args += _placement_args(plan)
     spec = _speculative(plan, draft_model)
     if spec:
         args += ["--speculative-config", json.dumps(spec, sort_keys=True)]
