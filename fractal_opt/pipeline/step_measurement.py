@@ -256,7 +256,9 @@ class StepMeasurer:
                                          screen=screen_round if screen else None)
             info = {"mode": "interleaved", "rounds": len(after.repeats), **({"screen": screened} if screened else {})}
             drift = {}
-            if screened and not screened["passed"]:
+            if screened.get("stopped_by_quality"):
+                info["memory"] = "stopped by a quality guard after the screen: no round alone"
+            elif screened and not screened["passed"]:
                 info["memory"] = "screened out: no round alone (the interleaved round holds both models)"
             elif candidate.plan.weights_key() != self.previous.plan.weights_key():
                 info["memory"] = self.solo_peak(candidate, before, after, progress)
@@ -266,8 +268,6 @@ class StepMeasurer:
                     "note": "previous and candidate did not fit in memory together: measured back to back; the band includes 2 x the A/A drift"}
             drift = self.calibration
             info["memory"] = "measured alone (back to back)"
-        if screened.get("stopped_by_quality"):
-            info["memory"] = "stopped by a quality guard after the screen: no round alone"
         # The candidate's own peak: its solo round's, or its rounds' when no other model was resident.
         self.candidate_own_peak_mb = after.median("peak_memory_mb")
         return replace(self._compared(before, after, info, drift), screened_out=bool(screened) and not screened["passed"],

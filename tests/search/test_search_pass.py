@@ -166,6 +166,7 @@ def test_a_faster_candidate_whose_answers_change_is_stopped_by_the_quality_gate_
     (step,) = result.trace.steps
     assert step.status == "rolled_back" and "kl_mean" in step.metrics["tripped"]["quality"], step.reason
     assert step.metrics["comparison"]["rounds"] == 1 and step.metrics["comparison"]["screen"]["passed"]
+    assert "no round alone" in step.metrics["comparison"]["memory"]
     assert "the quality gate ran after the screen" in step.reason and step.timings["quality_s"] >= 0
     assert result.plan.hardware.dtype == "float32"
 
