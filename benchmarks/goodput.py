@@ -24,10 +24,9 @@ length (``ignore_eos``), each runtime's own prefix cache on where it has one.
 
 Plans: transformers one request at a time (the Plan defaults); transformers continuous batching
 with 8 in flight and its prefix sharing (``allow_block_sharing``); llama.cpp with continuous
-batching, 8 slots, threads auto, flash attention and its prompt cache, on the GGUF re-quantized
-to Q8_0, through the wheel and through the native llama-server build when ``make
-setup-llama-native`` built it, and on the native build the GGUF widened to BF16 where the CPU has
-AVX512_BF16; the best of these by warm throughput is "the tuned llama.cpp plan"; and
+batching, 8 slots, threads auto, flash attention and its prompt cache, on the GGUF widened to
+BF16 (the plan the quickstart keeps), through the wheel and through the native llama-server build
+when ``make setup-llama-native`` built it; the best of these by warm throughput is "the tuned llama.cpp plan"; and
 that plan without its prompt cache (cold: without a cache the start changes nothing), for the
 cache's share. ``capacity_ratio`` is the tuned llama.cpp plan's users under the SLOs over the best
 transformers plan's, each with its slots sized by the search; ``ratio`` beside it is the tuned
@@ -67,7 +66,6 @@ def log(msg: str) -> None:
 
 def plans(*, sequential: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """(transformers plans, llama.cpp candidates with the prompt cache), by label."""
-    from fractal_opt.core.machine import cpu_flags
     from fractal_opt.runtimes.llama_cpp.process import NATIVE, executable_problem
     from fractal_opt.tower.plan import Plan
 
@@ -77,17 +75,14 @@ def plans(*, sequential: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     if sequential:
         tf[SEQUENTIAL] = base
     llama = base.replace_section("hardware", runtime="llama_cpp", threads="auto", flash_attention="on").replace_section("scheduling", **continuous)
-    q8 = {"weight_bits": 8, "quant_backend": "gguf", "quant_method": "q8_0", "quant_skip": ("lm_head",)}
-    # The GGUF re-quantized to Q8_0: this llama.cpp prefills Q8_0 faster than the embedded Q4_1
-    # (docs/runtimes.md), and a conversation is mostly prefill (a smoke run here: 4.6 vs 2.6 tok/s).
-    candidates = {"llama_cpp wheel, Q8_0, flash attn, prompt cache": llama.replace_section("model", **q8)}
+    # The GGUF widened to BF16, the plan the quickstart keeps: the Q4_1 kernels lose answers the
+    # gate guards (the README's question), and a Q8_0 copy of Q4_1 weights would "quantize up",
+    # which the weight ladder refuses (docs/models.md).
+    candidates = {"llama_cpp wheel, BF16, flash attn, prompt cache": llama.replace_section("hardware", dtype="bfloat16")}
     if executable_problem(NATIVE) is None:
-        native = llama.replace_section("hardware", runtime_path=NATIVE)
-        candidates["llama_cpp native, Q8_0, flash attn, prompt cache"] = native.replace_section("model", **q8)
-        # The GGUF widened to BF16: recipes/cpu-serving.yaml's pick under 8 chat clients on a CPU
-        # with AVX512_BF16, where only the native build has the BF16 dot-product kernels.
-        if "avx512_bf16" in cpu_flags():
-            candidates["llama_cpp native, BF16, flash attn, prompt cache"] = native.replace_section("hardware", dtype="bfloat16")
+        # The native build: on a CPU with AVX512_BF16 only it has the BF16 dot-product kernels.
+        native = llama.replace_section("hardware", runtime_path=NATIVE, dtype="bfloat16")
+        candidates["llama_cpp native, BF16, flash attn, prompt cache"] = native
     else:
         log(f"no native llama-server candidate: {executable_problem(NATIVE)}")
     return tf, candidates
