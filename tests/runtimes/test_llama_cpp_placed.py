@@ -44,7 +44,7 @@ def test_placements_need_a_llama_server_executable():
 
 
 def test_three_cpu_rpc_servers_are_refused_with_the_known_deadlock():
-    assert "llama.cpp issue 28487" in _reasons(Split(rpc_workers=3).apply(NATIVE_PLAN))
+    assert "llama.cpp bug report #28487" in _reasons(Split(rpc_workers=3).apply(NATIVE_PLAN))
 
 
 def test_an_unreachable_rpc_endpoint_is_refused_before_any_round():

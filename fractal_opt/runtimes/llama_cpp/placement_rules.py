@@ -9,7 +9,7 @@ One :class:`~fractal_opt.engine.capabilities.Refusal` row per rule, read by the 
 - every rpc-server named in ``rpc_endpoints`` must accept a TCP connection now (an unreachable one
   is refused here, not found by a hung load);
 - three or more CPU rpc-servers are refused: llama.cpp's RPC backend is reported to deadlock with
-  three or more CPU endpoints (llama.cpp issue 28487), while two work;
+  three or more CPU endpoints (llama.cpp bug report #28487), while two work;
 - replicas need HAProxy (:mod:`..router`) unless there is one; a split plan is not replicated here.
 """
 
@@ -25,7 +25,7 @@ from ..router import haproxy_problem
 __all__ = ["CONNECT_TIMEOUT_S", "MAX_CPU_RPC_WORKERS", "PLACEMENT_REFUSALS", "rpc_server_problem", "unreachable"]
 
 CONNECT_TIMEOUT_S = 2.0  # an rpc-server on a LAN answers a TCP connect in milliseconds; 2 s allows a slow link
-MAX_CPU_RPC_WORKERS = 2  # llama.cpp issue 28487: three or more CPU rpc-servers deadlock; two work
+MAX_CPU_RPC_WORKERS = 2  # llama.cpp bug report #28487: three or more CPU rpc-servers deadlock; two work
 
 
 def rpc_server_problem() -> str | None:
@@ -67,7 +67,7 @@ PLACEMENT_REFUSALS: tuple[Refusal, ...] = (
             lambda p: f"hardware.rpc_workers={p.hardware.rpc_workers}: {rpc_server_problem()}"),
     Refusal("hardware.rpc_workers", lambda p: p.hardware.rpc_workers > MAX_CPU_RPC_WORKERS, lambda p: (
         f"hardware.rpc_workers={p.hardware.rpc_workers}: llama.cpp's RPC backend is reported to deadlock with three or more CPU rpc-servers "
-        f"(llama.cpp issue 28487); at most {MAX_CPU_RPC_WORKERS} are started here")),
+        f"(llama.cpp bug report #28487); at most {MAX_CPU_RPC_WORKERS} are started here")),
     Refusal("hardware.rpc_endpoints", lambda p: bool(p.hardware.rpc_endpoints) and bool(unreachable(tuple(p.hardware.rpc_endpoints))), _unreachable_reason),
     Refusal("scheduling.replicas", lambda p: p.scheduling.replicas > 1 and p.hardware.runtime_path is None,
             lambda p: f"scheduling.replicas={p.scheduling.replicas}: replicas behind a router " + _NEEDS_EXECUTABLE + "is one server)"),
