@@ -43,7 +43,7 @@ from ..measure.noise import band, resolution
 from ..measure.preflight import batch_size, preflight
 from ..measure.roofline import ModelShape, dtype_bits, kv_bytes_per_token, step_roofline, unreliable_shares
 from ..measure.runner import Runner, measure, measure_pair, paired_changes
-from ..measure.screen import screen_interval, screen_record
+from ..measure.screen import KeptNoise, screen_interval, screen_record
 from ..tower.plan import Plan
 from ..workloads.workload import Request, Workload
 
@@ -125,6 +125,7 @@ class StepMeasurer:
         self.candidate_own_peak_mb: float | None = None  # the last compared candidate's own peak (for after_verdict)
         self.calibration: dict[str, float] = {}
         self.calibration_noise: dict[str, Any] = {}  # the A/A intervals and rounds: one round's noise, for the screen
+        self.kept_noise = KeptNoise()  # the kept plan's own full comparisons: one round's noise once they give enough rounds
         self.prompt_tokens: int | None = None  # longest prompt, known after the baseline
         self._shapes: dict[str, ModelShape | None] = {}
 
@@ -238,8 +239,10 @@ class StepMeasurer:
         screened: dict[str, Any] = {}
 
         def screen_round(before: Measurement, after: Measurement) -> bool:
-            interval = screen_interval(before, after, objective, calibration=self.calibration_noise)
-            screened.update(screen_record(interval, objective, min_effect=self.min_effect, before=before, after=after))
+            kept = self.kept_noise.noise(objective)
+            interval = screen_interval(before, after, objective, calibration=self.calibration_noise, noise=kept)
+            screened.update(screen_record(interval, objective, min_effect=self.min_effect, before=before, after=after),
+                            noise="A/A calibration" if kept is None else f"the kept plan's comparisons ({kept[1]} degrees of freedom)")
             self.say(f"{label}: screen {objective} {_signed(screened.get('change'))} {_bounds(screened.get('interval'))}: "
                      + ("full rounds" if screened["passed"] else "cannot beat the kept plan by min_effect")
                      + (", the quality gate first (the answers' numbers change)" if screened["passed"] and quality_first else ""))
@@ -270,8 +273,11 @@ class StepMeasurer:
             info["memory"] = "measured alone (back to back)"
         # The candidate's own peak: its solo round's, or its rounds' when no other model was resident.
         self.candidate_own_peak_mb = after.median("peak_memory_mb")
-        return replace(self._compared(before, after, info, drift), screened_out=bool(screened) and not screened["passed"],
-                                   stopped_by_quality=bool(screened.get("stopped_by_quality")))
+        cmp = replace(self._compared(before, after, info, drift), screened_out=bool(screened) and not screened["passed"],
+                      stopped_by_quality=bool(screened.get("stopped_by_quality")))
+        if info["mode"] == "interleaved" and not (cmp.screened_out or cmp.stopped_by_quality):
+            self.kept_noise.learn(cmp.intervals, rounds=info["rounds"])  # its rounds' spread: the next screens' noise
+        return cmp
 
     def _compared(self, before: Measurement, after: Measurement, info: dict[str, Any], drift: dict[str, float]) -> Comparison:
         """The verdict's inputs from two measurements: paired changes, their intervals and bands."""
@@ -316,6 +322,7 @@ class StepMeasurer:
         engine is touched in the engine cache, so the rolled-back model is the one evicted next
         (back to back: everything is released and the previous is reloaded when next needed)."""
         if kept:
+            self.kept_noise.reset()  # a new kept plan: its own comparisons will say how far a round strays
             if self.previous is not None and self.previous is not candidate:
                 self.previous.close()
             self.previous = candidate

@@ -43,3 +43,26 @@ def test_can_still_beat_reads_the_metrics_direction():
     assert can_still_beat(None, "e2e_ms", min_effect=0.05)
     record = screen_record(Interval(-0.3, -0.4, -0.2, 2), "decode_tokens_per_s", min_effect=0.05, before=_round({"a": 100}), after=_round({"a": 70}))
     assert record["passed"] is False and record["interval"] == [-0.4, -0.2] and record["before"] == 100 and record["after"] == 70
+
+
+def test_the_kept_plans_own_comparisons_replace_the_calibrations_noise_once_they_have_enough_rounds():
+    """The A/A calibration says one round strays ±10% (the float32 baseline); two full comparisons
+    against the kept plan stray ±2% over 3 rounds each. Once pooled (4 degrees of freedom) their
+    noise replaces the calibration's, so a candidate at -4% in one round is screened out; with the
+    calibration's noise it would have gone on. A kept candidate starts the count again."""
+    from fractal_opt.measure.screen import KeptNoise, can_still_beat
+
+    calibration = {"intervals": {"decode_tokens_per_s": [-0.05, 0.05]}, "rounds": 4}
+    kept = KeptNoise()
+    kept.learn({"decode_tokens_per_s": [-0.02, 0.02]}, rounds=3)
+    assert kept.noise("decode_tokens_per_s") is None  # 2 degrees of freedom: the calibration still decides
+    kept.learn({"decode_tokens_per_s": [-0.02, 0.02]}, rounds=3)
+    half, df = kept.noise("decode_tokens_per_s")
+    assert df == 4 and half < 0.03
+    before, after = _round({"a": 100, "b": 50, "c": 20}), _round({"a": 96, "b": 48, "c": 19.2})  # -4% on every request
+    wide = screen_interval(before, after, "decode_tokens_per_s", calibration=calibration)
+    narrow = screen_interval(before, after, "decode_tokens_per_s", calibration=calibration, noise=kept.noise("decode_tokens_per_s"))
+    assert can_still_beat(wide, "decode_tokens_per_s", min_effect=0.05)
+    assert not can_still_beat(narrow, "decode_tokens_per_s", min_effect=0.05)
+    kept.reset()
+    assert kept.noise("decode_tokens_per_s") is None
