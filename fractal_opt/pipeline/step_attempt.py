@@ -109,7 +109,7 @@ def attempt(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, ke
         kept = dataclasses.replace(kept, measurement=cmp.before)  # the previous plan, measured afresh beside the candidate
         env.enter("quality")
         if first is not None and first.quality is not None:  # scored after the screen: the answers do not change with more rounds
-            quality, unscored = {**first.quality, **env.measured_quality(engine, cmp.after)}, None
+            quality, unscored = {**first.quality, **env.measured_quality(engine, cmp.after), **_path_agreement(env, p, candidate, cmp)}, None
             step.timings["quality_s"] = first.seconds
         else:
             quality, unscored = _quality(env, p, ramp, step, label, kept, candidate, engine, cmp)
@@ -134,9 +134,9 @@ def _stores_differently(candidate: Plan, kept: Plan) -> bool:
 
 class _QualityFirst:
     """A screened candidate that stores other numbers (:func:`_stores_differently`) is scored by
-    the quality gate right after its screen passes, before the full
-    rounds: an expert checks that a faster model still answers before timing it closely, and a
-    quality guard that trips ends the step there (rolled back, with the one round's numbers)."""
+    the quality gate right after its screen passes, before the full rounds: an expert checks that
+    a faster model still answers before timing it closely, and a quality guard that trips ends the
+    step there (rolled back, with the one round's numbers)."""
 
     def __init__(self, env: StepEnv, p: Pass, step: Step, label: str, kept: Kept, engine: Engine):
         self.env, self.p, self.step, self.label, self.kept, self.engine = env, p, step, label, kept, engine
