@@ -15,7 +15,7 @@ are guards a recipe sets.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -131,6 +131,14 @@ class Concurrency(Pass):
     max_limit: int = 128
     resolution: int = 1
     levels: tuple[int, ...] = ()
+
+    @classmethod
+    def shown_params(cls, params: Mapping[str, Any]) -> dict[str, Any]:
+        """As any pass's, with a fixed limit always shown: ``concurrency(mode=fixed, limit=8)``."""
+        shown = super().shown_params(params)
+        if params.get("mode", "fixed") == "fixed" and "limit" in params:
+            shown["limit"] = params["limit"]
+        return shown
 
     def __post_init__(self) -> None:
         where = "pass 'concurrency', parameter"

@@ -156,6 +156,7 @@ def test_the_search_params_and_older_recipes_levels():
     assert ramp.apply(PLAN).scheduling.max_concurrency == 8
     fixed = Concurrency(limit=16)
     assert fixed.describe() == "concurrency(mode=fixed, limit=16)" and Concurrency.from_params(fixed.params()) == fixed
+    assert Concurrency(limit=8).describe() == "concurrency(mode=fixed, limit=8)"  # the default limit too: a search lists 4 and 8
     assert fixed.next_step(()) is fixed and fixed.next_step((StepResult(step=fixed, status="kept"),)) is None
     assert not PassSteps(fixed).searches and PassSteps(ramp).searches
     with pytest.raises(RecipeError, match="rising"):
