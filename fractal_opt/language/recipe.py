@@ -242,7 +242,6 @@ def parse_recipe(data: Mapping[str, Any], *, where: str = "recipe", check_model:
                   spec=None if plain_spec else spec)
 
 
-
 def _model_source(spec: ModelSpec | None, found: Problems, *, where: str, check_model: bool, complete_model: bool) -> models.ModelSource | None:
     """The recipe's model, resolved and its files checked (None when it cannot be, with the problem added to ``found``)."""
     if spec is None:  # missing or refused: found says why
