@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fractal_opt.runtimes import RUNTIMES
+from fractal_opt.runtimes.vllm import process as vllm_process
 from fractal_opt.search.candidates import generate, plan_weight_bits
 from fractal_opt.testing import cpu_machine
 from fractal_opt.tower.passes import Layer, SearchContext
@@ -21,10 +24,18 @@ def _described(candidates):
     return [c.p.describe() for c in candidates]
 
 
-def test_the_runtimes_come_first_where_the_roofline_predicts_the_fewest_bytes():
+@pytest.fixture
+def no_vllm(monkeypatch, tmp_path):
+    """No vLLM environment, executable or server found, whatever this machine has set up."""
+    monkeypatch.delenv(vllm_process.ENV_PATH, raising=False)
+    monkeypatch.delenv(vllm_process.ENV_URL, raising=False)
+    monkeypatch.setattr(vllm_process, "default_executable", lambda: tmp_path / "no-vllm" / "bin" / "vllm")
+
+
+def test_the_runtimes_come_first_where_the_roofline_predicts_the_fewest_bytes(no_vllm):
     """From float32 transformers on the embedded Q4_1 GGUF: llama.cpp on the GGUF's own 5-bit
-    weights is predicted 6.4x, the BF16 copies 2x; every candidate says why; vLLM, which cannot
-    run on this CPU, is not offered."""
+    weights is predicted 6.4x, the BF16 copies 2x; every candidate says why; vLLM, which is not
+    found here, is not offered."""
     found = generate(Layer.HARDWARE, _context(Plan(source=EMBEDDED)))
     names = _described(found)
     # The same bytes a token, the build for this CPU first: its vector units, the wheel's AVX2 after it.
@@ -35,6 +46,19 @@ def test_the_runtimes_come_first_where_the_roofline_predicts_the_fewest_bytes():
     assert not any("vllm" in n for n in names)
     assert all(c.why and c.origin for c in found)
     assert [c.predicted for c in found] == sorted((c.predicted for c in found), reverse=True)
+
+
+def test_a_vllm_found_here_is_offered_after_the_candidates_predicted_faster(no_vllm, monkeypatch, tmp_path):
+    """With a vLLM executable found (a `make setup-vllm` environment), vLLM is a candidate: it runs
+    the model's own weights (predicted 1.0x), so it comes after every candidate with fewer bytes."""
+    exe = tmp_path / "vllm"
+    exe.write_text("#!/bin/sh\nexit 1\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv(vllm_process.ENV_PATH, str(exe))
+    found = generate(Layer.HARDWARE, _context(Plan(source=EMBEDDED)))
+    (vllm,) = [c for c in found if c.p.describe() == "runtime(backend=vllm)"]
+    assert vllm.predicted == 1.0 and vllm.why.startswith("vllm: ")
+    assert all(c.predicted > 1.0 for c in found if "llama_cpp" in c.p.describe()) and found.index(vllm) > 3
 
 
 def test_on_llama_cpp_the_knobs_of_its_table_and_the_ladder_below_the_source():
