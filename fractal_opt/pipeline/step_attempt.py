@@ -223,6 +223,8 @@ def _judge(env: StepEnv, p: Pass, ramp: Pass | None, step: Step, label: str, kep
     if cmp.stopped_by_quality:
         step.reason += ("; the quality gate ran after the screen (the answers' numbers change) and a quality guard tripped, "
                         "so the full rounds were not run")
+    if quality.get("eval_stopped"):  # a required question lost: the rest of the quality gate was not run
+        step.reason += f"; the eval stopped {quality['eval_stopped']}"
     if unscored:
         step.metrics["quality_skipped"] = unscored[0]
         step.reason += "; quality not scored (it cannot keep a step whose objective did not improve)"

@@ -6,7 +6,11 @@ that cannot change next-token distributions (scheduling, decoding) reuses them. 
 answers are served once per :func:`eval_key` (the plan, with the token cap as the eval sees it): a
 pass that changes nothing they depend on (a ``max_new_tokens`` cap at or above
 ``quality.eval_max_new_tokens``) reuses them, and they are scored against the baseline's again. The
-custom probes run on every scored step. Agreement with the baseline's greedy answers and the
+custom probes run on every scored step. A step is served the eval's required questions first (those
+the baseline answered right), before the probes: when it loses more of them than the guard
+``eval_required_lost`` allows, that guard trips whatever the other numbers say, so the probes and
+the other questions are not run (``eval_stopped`` says so) and the step is rolled back on the
+required answers alone. Agreement with the baseline's greedy answers and the
 answers' text come from the step's measured outputs (:meth:`StepQuality.measured`): no model call.
 The eval set and the probes are loaded when this is made, so a bad eval set or probe fails before
 any model is loaded.
@@ -21,8 +25,9 @@ from typing import Any
 from ..engine.protocol import Engine
 from ..language.recipe import Recipe
 from ..measure.metrics import Measurement
-from ..quality.evals import AUTO, eval_choice, fitting, load_eval_set, score_answers
+from ..quality.evals import AUTO, eval_choice, fitting, load_eval_set, matches, score_answers
 from ..quality.probes import agreement, build_reference, model_probes
+from ..tower.passes import Layer
 from ..tower.plan import Plan
 from ..workloads.workload import Request
 
@@ -46,6 +51,8 @@ class StepQuality:
             if not self.eval_items:
                 self.eval_set = None
         self.probes = recipe.quality.load_probes()
+        # The most required questions a step may lose (the guard eval_required_lost's max; None: no such guard).
+        self.required_max = next((g.max for g in recipe.policy.guards_for(Layer.MODEL) if g.metric == "eval_required_lost"), None)
         self.reference: Any = None  # the baseline's reference logits and outputs
         self.reference_outputs: dict[str, list[int]] | None = None  # a resumed baseline's outputs, until the reference is scored again
         self._model_probes: dict[tuple, dict[str, float]] = {}  # by Plan.numerics_key()
@@ -64,6 +71,8 @@ class StepQuality:
     def score(self, engine: Engine, m: Measurement, label: str, *, requests: Sequence[Request], baseline_eval: Any = None,
               is_baseline: bool = False) -> dict[str, Any]:
         """The quality of ``engine`` (its measurement ``m``) against the baseline."""
+        if not is_baseline and self.eval_items and (stopped := self._required_first(engine, label, baseline_eval)) is not None:
+            return {**self.measured(engine, m), **stopped, "eval_set": self.eval_set}
         key = engine.plan.numerics_key()
         if key not in self._model_probes:
             self.progress(f"{label}: KL / perplexity on the reference text")
@@ -100,6 +109,29 @@ class StepQuality:
         gens = engine.serve([item.request for item in self.eval_items], max_new_tokens=budget)
         self._eval_answers[key] = (label, gens)
         return score_answers(self.eval_items, gens, baseline=baseline_eval)
+
+    def _required_first(self, engine: Engine, label: str, baseline_eval: Any) -> dict[str, Any] | None:
+        """Serve the required questions the baseline answered right before the rest; when the step
+        loses more than ``required_max`` of them, the guard trips whatever the others answer: the
+        partial score (the required questions' numbers, ``eval_stopped``). None: the whole set is
+        served as usual (in one call, so batching meets the questions as it always does)."""
+        if self.required_max is None or baseline_eval is None or len(baseline_eval) != len(self.eval_items):
+            return None
+        if eval_key(engine.plan, self.config.eval_max_new_tokens) in self._eval_answers:
+            return None  # the whole set's answers are known already: scored as they are
+        required = [(item, b) for item, b in zip(self.eval_items, baseline_eval, strict=True) if item.required and b["passed"]]
+        if not required:
+            return None
+        self.progress(f"{label}: eval set, its {len(required)} required question(s) first")
+        gens = engine.serve([item.request for item, _ in required], max_new_tokens=self.config.eval_max_new_tokens)
+        lost = [item.request.id for (item, _), g in zip(required, gens, strict=True) if not matches(g.text, item.answer, item.match)]
+        if len(lost) <= self.required_max:
+            return None
+        rest = len(self.eval_items) - len(required)
+        return {"eval_required_lost": len(lost), "eval_required_lost_ids": lost,
+                "eval_required_answers": {item.request.id: g.text for (item, _), g in zip(required, gens, strict=True)},
+                "eval_stopped": (f"after its {len(required)} required question(s): {', '.join(lost)} answered wrong (the baseline right), so the guard "
+                                 f"eval_required_lost max {self.required_max:g} trips whatever the other {rest} answer; they and the KL / perplexity probes were not run")}
 
     def _custom(self, engine: Engine) -> dict[str, float]:
         out: dict[str, float] = {}
