@@ -67,12 +67,21 @@ class FirstScreen:
     plain: tuple[str, ...] = field(default=())  # nothing measured against the baseline: what is known, in sentences
 
 
+MEASURED = ("kept", "rolled_back", "screened_out")  # a candidate considered: screened or judged
+
+
 def searched(trace: object) -> str:
     """``. Searched: hardware 9 candidates (6 screened out, 3 judged in full), model 2 (...)``: what
-    the layers' searches considered, after the kept steps (nothing when no layer searched)."""
+    the layers' searches considered, after the kept steps (nothing when no layer searched); with the
+    recipe's listed steps beside them, ``; 13 candidates in all, 2 of them listed in the recipe``."""
+    searches = [s for s in getattr(trace, "searches", []) if "considered" in s]
     parts = [f"{s['layer']} {s['considered']} candidate{'' if s['considered'] == 1 else 's'} ({s['screened_out']} screened out, "
-             f"{s['kept'] + s['rolled_back']} judged in full)" for s in getattr(trace, "searches", []) if "considered" in s]
-    return f". Searched: {', '.join(parts)}" if parts else ""
+             f"{s['kept'] + s['rolled_back']} judged in full)" for s in searches]
+    if not parts:
+        return ""
+    total = sum(step.status in MEASURED for step in getattr(trace, "steps", []))
+    listed = total - sum(s["considered"] for s in searches)
+    return f". Searched: {', '.join(parts)}" + (f"; {total} candidates in all, {listed} of them listed in the recipe" if listed > 0 else "")
 
 
 def first_screen(trace: object) -> FirstScreen:

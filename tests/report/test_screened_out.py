@@ -36,9 +36,10 @@ def test_the_tower_row_of_a_screened_out_step_gives_its_screen_numbers():
 
 
 def test_the_first_screen_says_what_the_searches_considered():
-    """Under "Kept", how many candidates each layer's search considered, screened out and judged in full."""
+    """Under "Kept", how many candidates each layer's search considered, screened out and judged in
+    full, and the run's total with the steps the recipe lists (continuous batching, the token cap)."""
     screen = first_screen(_with_screened())
-    assert screen.kept.endswith(". Searched: hardware 3 candidates (1 screened out, 2 judged in full)")
+    assert screen.kept.endswith(". Searched: hardware 3 candidates (1 screened out, 2 judged in full); 5 candidates in all, 2 of them listed in the recipe")
     assert any("Searched: hardware 3 candidates" in line for line in text_lines(screen))
 
 
