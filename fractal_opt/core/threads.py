@@ -13,9 +13,15 @@ import threading
 __all__ = ["raise_in"]
 
 
-def raise_in(thread: threading.Thread, kind: type[BaseException]) -> None:
-    """Raise ``kind`` in ``thread`` at its next Python instruction (CPython; elsewhere a no-op)."""
-    if not thread.is_alive() or thread.ident is None:
+def raise_in(thread: threading.Thread, kind: type[BaseException], *, running: bool | None = None) -> None:
+    """Raise ``kind`` in ``thread`` at its next Python instruction (CPython; elsewhere a no-op).
+
+    ``running``: whether the thread's own code is still running, when the caller knows better than
+    ``thread.is_alive()``. An exception that interrupts ``thread.join()`` makes the joined thread
+    look stopped though it still runs (CPython's ``_wait_for_tstate_lock`` releases its lock on any
+    exception, the fix of bpo-45274 for Ctrl-C), so a caller that was interrupted while joining
+    must say whether the thread finished."""
+    if not (thread.is_alive() if running is None else running) or thread.ident is None:
         return
     try:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(kind))

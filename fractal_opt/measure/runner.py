@@ -62,12 +62,15 @@ def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """
     out: list[Any] = []
     error: list[BaseException] = []
+    finished = threading.Event()  # the thread's own word: an interrupted join() makes it look stopped (core.threads.raise_in)
 
     def work() -> None:
         try:
             out.append(fn(*args))
         except BaseException as e:  # noqa: BLE001 (re-raised on the calling thread)
             error.append(e)
+        finally:
+            finished.set()
 
     thread = threading.Thread(target=work, name="fractal-opt-round", daemon=True)
     thread.start()
@@ -77,7 +80,7 @@ def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
             # exception raised into it asynchronously (the pipeline's step timeout) arrives here.
             thread.join(0.05)
     except BaseException as e:
-        raise_in(thread, type(e))  # and stops the round's own Python code the same way
+        raise_in(thread, type(e), running=not finished.is_set())  # and stops the round's own Python code the same way
         raise
     if error:
         raise error[0]

@@ -79,7 +79,7 @@ def run_with_deadline(fn: Callable[[], T], timeout_s: float | None, *, name: str
     if timeout_s is None:
         return fn()
     outcome: dict[str, Any] = {}
-    cancelled, left = threading.Event(), threading.Event()
+    cancelled, left, finished = threading.Event(), threading.Event(), threading.Event()
 
     def work() -> None:
         _local.cancelled, _local.abandoned = cancelled, left
@@ -87,13 +87,15 @@ def run_with_deadline(fn: Callable[[], T], timeout_s: float | None, *, name: str
             outcome["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which decides
             outcome["error"] = e
+        finally:
+            finished.set()
 
     worker = threading.Thread(target=work, name=f"fractal-opt {name}", daemon=True)
     worker.start()
     try:
         worker.join(timeout_s)
     except KeyboardInterrupt:  # Ctrl-C reaches only this thread: stop the worker too, then end the run
-        _cancel(worker, cancelled)
+        _cancel(worker, cancelled, running=not finished.is_set())  # the interrupted join() makes the worker look stopped
         raise
     if worker.is_alive():
         _cancel(worker, cancelled)
@@ -107,6 +109,6 @@ def run_with_deadline(fn: Callable[[], T], timeout_s: float | None, *, name: str
     return outcome["value"]
 
 
-def _cancel(worker: threading.Thread, cancelled: threading.Event) -> None:
+def _cancel(worker: threading.Thread, cancelled: threading.Event, *, running: bool | None = None) -> None:
     cancelled.set()
-    raise_in(worker, StepTimeout)  # at the worker's next Python instruction; elsewhere the checkpoint alone
+    raise_in(worker, StepTimeout, running=running)  # at the worker's next Python instruction; elsewhere the checkpoint alone

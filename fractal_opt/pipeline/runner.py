@@ -25,6 +25,7 @@ from ..engine.registry import RUNTIMES, Runtimes
 from ..language.recipe import Recipe, load_recipe
 from ..measure.machine_limits import MachineLimits, probe_limits
 from ..measure.metrics import Measurement
+from ..measure.runner import in_own_thread
 from ..report.trace import Step, Trace
 from ..tower.passes import Layer, Pass, SearchContext
 from ..tower.plan import Plan
@@ -269,9 +270,11 @@ class Pipeline:
         every shape the suite needs) before any clock runs. Returns the engine and the timings."""
         workload = self.recipe.workload
         t0 = time.perf_counter()
-        engine = self.build(plan, machine=machine, progress=self.progress, max_new_tokens=workload.max_new_tokens)
+        # On threads that end with them (measure.runner.in_own_thread): loading runs OpenMP kernels,
+        # and workers left on the step's thread would slow every round after (docs/runtimes.md, "torch shares that OpenMP runtime").
+        engine = in_own_thread(lambda: self.build(plan, machine=machine, progress=self.progress, max_new_tokens=workload.max_new_tokens))
         timings = {"build_s": round(time.perf_counter() - t0, 2)}
-        timings.update({name: round(seconds, 2) for name, seconds in engine.prepare(self._requests, workload).items()})
+        timings.update({name: round(seconds, 2) for name, seconds in in_own_thread(engine.prepare, self._requests, workload).items()})
         return engine, timings
 
     def _skip(self, step: Step, label: str, reason: str) -> None:  # a step not tried, and why

@@ -25,6 +25,7 @@ from typing import Any
 from ..engine.protocol import Engine
 from ..language.recipe import Recipe
 from ..measure.metrics import Measurement
+from ..measure.runner import in_own_thread
 from ..quality.evals import AUTO, eval_choice, fitting, load_eval_set, matches, score_answers
 from ..quality.probes import agreement, build_reference, model_probes
 from ..tower.passes import Layer
@@ -59,8 +60,10 @@ class StepQuality:
         self._eval_answers: dict[str, tuple[str, list[Any]]] = {}  # by eval_key(plan): the step that served them, its generations
 
     def score_reference(self, engine: Engine, outputs: dict[str, list[int]] | None = None) -> None:
-        """Score the reference text on the baseline's ``engine`` (``outputs``: its greedy answers, when known)."""
-        self.reference = build_reference(engine, {}, self.config)
+        """Score the reference text on the baseline's ``engine`` (``outputs``: its greedy answers, when known).
+        On a thread of its own, as every scoring here (:func:`~fractal_opt.measure.runner.in_own_thread`):
+        the step's thread outlives it, and OpenMP workers it left would slow the rounds after."""
+        self.reference = in_own_thread(build_reference, engine, {}, self.config)
         if outputs is not None:
             self.reference.outputs = outputs
 
@@ -70,7 +73,12 @@ class StepQuality:
 
     def score(self, engine: Engine, m: Measurement, label: str, *, requests: Sequence[Request], baseline_eval: Any = None,
               is_baseline: bool = False) -> dict[str, Any]:
-        """The quality of ``engine`` (its measurement ``m``) against the baseline."""
+        """The quality of ``engine`` (its measurement ``m``) against the baseline, scored on a
+        thread of its own that ends with it (see :meth:`score_reference`)."""
+        return in_own_thread(lambda: self._score(engine, m, label, requests=requests, baseline_eval=baseline_eval, is_baseline=is_baseline))
+
+    def _score(self, engine: Engine, m: Measurement, label: str, *, requests: Sequence[Request], baseline_eval: Any,
+               is_baseline: bool) -> dict[str, Any]:
         if not is_baseline and self.eval_items and (stopped := self._required_first(engine, label, baseline_eval)) is not None:
             return {**self.measured(engine, m), **stopped, "eval_set": self.eval_set}
         key = engine.plan.numerics_key()

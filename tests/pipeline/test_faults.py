@@ -332,6 +332,22 @@ def test_a_python_hang_is_stopped_at_the_deadline():
         assert time.perf_counter() - t0 < 5
 
 
+def test_a_hang_on_a_thread_of_its_own_is_stopped_with_the_step():
+    """Work the step hands to a thread of its own (a round, the quality gate: measure.runner.in_own_thread)
+    is stopped with it: the StepTimeout that interrupts the step's join() is passed on, though the
+    interrupted join() makes that thread look stopped, and no thread is left spinning."""
+    from fractal_opt.measure.runner import in_own_thread
+
+    def spin():
+        while True:
+            pass
+
+    with pytest.raises(StepTimeout):
+        run_with_deadline(lambda: in_own_thread(spin), 0.2)
+    time.sleep(0.2)
+    assert not [t for t in threading.enumerate() if t.name == "fractal-opt-round"]
+
+
 def test_a_worker_stuck_in_native_code_is_abandoned():
     """A call that blocks in C cannot be interrupted: after the grace period the worker is left
     running (a daemon thread) and the caller is told so."""
