@@ -83,3 +83,16 @@ def test_without_the_guard_the_required_questions_are_not_served_apart(monkeypat
     engine = _Answering(q.eval_items, wrong={"readme-france"}, dtype="bfloat16")
     out = q.score(engine, None, "step", requests=[], baseline_eval=base)
     assert q.required_max is None and len(engine.calls) == 1 and out["eval_required_lost"] == 1
+
+
+def test_the_gate_runs_on_a_thread_that_ends(quality, monkeypatch):
+    """The probes and the eval run on a thread of their own that has ended when the score returns:
+    torch's OpenMP workers left on the step's thread, which lives on, would throttle every round
+    after (docs/runtimes.md, "torch shares that OpenMP runtime")."""
+    import threading
+
+    ran_on: list[threading.Thread] = []
+    monkeypatch.setattr(step_quality, "model_probes", lambda reference, engine: ran_on.append(threading.current_thread()) or {})
+    base = _baseline(quality)
+    quality.score(_Answering(quality.eval_items, dtype="bfloat16"), None, "step", requests=[], baseline_eval=base)
+    assert ran_on and ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
