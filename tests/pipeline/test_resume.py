@@ -95,13 +95,15 @@ def test_killed_runs_resume_to_every_step_exactly_once(tmp_path):
                 kills += 1
         proc.join(60)
         assert proc.exitcode is not None, "the child hung"
+        trace = json.loads((out / "trace.json").read_text())  # whole (atomic writes)
         if proc.exitcode == 0:
             break
         assert proc.exitcode == -signal.SIGKILL, f"seed {seed}: the run failed with exit code {proc.exitcode}"
+        if trace["finished"]:  # the kill landed after the run had ended, in the interpreter's exit: a run that finished
+            kills -= 1
+            break
         journaled_before_resume.append({r["position"]: r for r in _records(out) if r.get("kind") == "step"})
-        trace = json.loads((out / "trace.json").read_text())  # whole (atomic writes) and marked unfinished
-        assert trace["finished"] is False
-    assert proc.exitcode == 0, f"seed {seed}: no run finished"
+    assert trace["finished"] is True, f"seed {seed}: no run finished"
     assert marked_in_progress, "the older run's finished trace stayed in place while the new run measured its baseline"
     assert kills >= 1, f"seed {seed}: every run finished before its kill"
 
