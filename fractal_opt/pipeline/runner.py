@@ -268,10 +268,8 @@ class Pipeline:
     def _build(self, plan: Plan, machine: Machine) -> tuple[Engine, dict[str, float]]:
         """Build ``plan``, then let the runtime do its start-up work (``Engine.prepare``: compiling
         every shape the suite needs) before any clock runs. Returns the engine and the timings."""
-        workload = self.recipe.workload
-        t0 = time.perf_counter()
-        # On threads that end with them (measure.runner.in_own_thread): loading runs OpenMP kernels,
-        # and workers left on the step's thread would slow every round after (docs/runtimes.md, "torch shares that OpenMP runtime").
+        workload, t0 = self.recipe.workload, time.perf_counter()
+        # On threads that end with them: no OpenMP workers outlive a build (docs/runtimes.md, "torch shares that OpenMP runtime").
         engine = in_own_thread(lambda: self.build(plan, machine=machine, progress=self.progress, max_new_tokens=workload.max_new_tokens))
         timings = {"build_s": round(time.perf_counter() - t0, 2)}
         timings.update({name: round(seconds, 2) for name, seconds in in_own_thread(engine.prepare, self._requests, workload).items()})
@@ -365,9 +363,8 @@ class Pipeline:
             setattr(self._steps, name, value)
 
     def _rescore_reference(self, machine: Machine) -> None:
-        """Resuming: score the reference text again on the baseline plan, as the baseline did (the
-        same model and machine, which the fingerprint vouches for), with the baseline's outputs
-        from the journal. No-op when the reference is there already."""
+        """Resuming: score the reference text again on the baseline plan, as the baseline did (the same model and
+        machine, which the fingerprint vouches for), with the baseline's outputs from the journal. No-op when it is there."""
         if not self.quality.needs_reference():
             return
         assert self._steps is not None

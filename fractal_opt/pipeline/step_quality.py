@@ -138,8 +138,9 @@ class StepQuality:
         rest = len(self.eval_items) - len(required)
         return {"eval_required_lost": len(lost), "eval_required_lost_ids": lost,
                 "eval_required_answers": {item.request.id: g.text for (item, _), g in zip(required, gens, strict=True)},
-                "eval_stopped": (f"after its {len(required)} required question(s): {', '.join(lost)} answered wrong (the baseline right), so the guard "
-                                 f"eval_required_lost max {self.required_max:g} trips whatever the other {rest} answer; they and the KL / perplexity probes were not run")}
+                "eval_stopped": (f"after its {len(required)} required question(s): {', '.join(lost)} answered wrong (the baseline right), "
+                                 f"so the guard eval_required_lost max {self.required_max:g} trips whatever the other {rest} answer; "
+                                 "they and the KL / perplexity probes were not run")}
 
     def _custom(self, engine: Engine) -> dict[str, float]:
         out: dict[str, float] = {}
