@@ -26,14 +26,17 @@ sys.path.insert(0, str(ROOT))
 
 def serve_suite(engine, requests, *, on_new_thread: bool) -> dict[str, float]:
     """Serve each request alone; the median decode rate and the cores busy while serving."""
+    from fractal_opt.measure.metrics import Sample
+
     rates: list[float] = []
     busy: list[float] = []
 
     def work() -> None:
         cpu0, t0 = time.process_time(), time.perf_counter()
         for request in requests:
-            g = engine.serve([request], max_new_tokens=32)[0]
-            rates.append((len(g.token_times) - 1) / (g.token_times[-1] - g.token_times[0]))
+            rate = Sample.from_generation(engine.serve([request], max_new_tokens=32)[0]).decode_tokens_per_s  # the measurement's own reading
+            if rate is not None:
+                rates.append(rate)
         busy.append((time.process_time() - cpu0) / (time.perf_counter() - t0))
 
     if on_new_thread:

@@ -13,7 +13,7 @@ same memory, GPU and CPU windows and computes the same per-repeat readings. Duri
 run's other child servers are stopped and the CPU time of everything else is accounted
 (:mod:`fractal_opt.measure.isolation`); a round the run's other processes disturbed is served again.
 
-Each warm-up and round is served on a thread of its own that ends with it (:func:`in_own_thread`).
+Each warm-up and round is served on a thread of its own that ends with it (:func:`~fractal_opt.core.threads.in_own_thread`).
 torch and llama.cpp load the same OpenMP runtime (libgomp; torch ships a ``libgomp.so.1`` and the
 xllamacpp wheel links one, and the process loads one copy), and libgomp keeps the worker threads of
 every live thread that ran a parallel region. Once those outnumber the cores it cuts every
@@ -30,12 +30,11 @@ Example:
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..core.threads import raise_in
+from ..core.threads import in_own_thread
 from .cost import RaplWindow, cost_readings
 from .isolation import CpuAccount, contended, others_quiet
 from .memory import GpuMonitor, MemoryWindow
@@ -46,45 +45,11 @@ if TYPE_CHECKING:
     from ..engine.protocol import Engine
     from ..workloads.workload import Request, Workload
 
-__all__ = ["MAX_RERUNS", "Runner", "in_own_thread", "measure", "measure_pair", "paired_changes"]
+__all__ = ["MAX_RERUNS", "Runner", "measure", "measure_pair", "paired_changes"]
 
 # At most this many re-runs of a round the run's other processes disturbed (then it is kept,
 # flagged ``contended``): a process that cannot be stopped keeps disturbing, and a round costs time.
 MAX_RERUNS = 2
-
-
-def in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` on a new thread that ends when it returns; its result or its exception.
-
-    Why: OpenMP (libgomp) keeps a pool of worker threads per live thread that ran a parallel
-    region, and counts them all against the cores (see the module's note); a thread that ends frees
-    its pool, so work done here leaves no workers behind to slow the next engine's round.
-    """
-    out: list[Any] = []
-    error: list[BaseException] = []
-    finished = threading.Event()  # the thread's own word: an interrupted join() makes it look stopped (core.threads.raise_in)
-
-    def work() -> None:
-        try:
-            out.append(fn(*args))
-        except BaseException as e:  # noqa: BLE001 (re-raised on the calling thread)
-            error.append(e)
-        finally:
-            finished.set()
-
-    thread = threading.Thread(target=work, name="fractal-opt-round", daemon=True)
-    thread.start()
-    try:
-        while thread.is_alive():
-            # Short waits, not one join(): the calling thread runs Python between them, so an
-            # exception raised into it asynchronously (the pipeline's step timeout) arrives here.
-            thread.join(0.05)
-    except BaseException as e:
-        raise_in(thread, type(e), running=not finished.is_set())  # and stops the round's own Python code the same way
-        raise
-    if error:
-        raise error[0]
-    return out[0]
 
 
 class Runner:

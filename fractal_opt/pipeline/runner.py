@@ -20,12 +20,12 @@ from ..core.errors import EngineError
 from ..core.machine import Machine, resolve_device
 from ..core.quiet import quiet_third_party
 from ..core.text import clip
+from ..core.threads import in_own_thread
 from ..engine.protocol import Engine
 from ..engine.registry import RUNTIMES, Runtimes
 from ..language.recipe import Recipe, load_recipe
 from ..measure.machine_limits import MachineLimits, probe_limits
 from ..measure.metrics import Measurement
-from ..measure.runner import in_own_thread
 from ..report.trace import Step, Trace
 from ..tower.passes import Layer, Pass, SearchContext
 from ..tower.plan import Plan
@@ -269,11 +269,11 @@ class Pipeline:
         """Build ``plan``, then let the runtime do its start-up work (``Engine.prepare``: compiling
         every shape the suite needs) before any clock runs. Returns the engine and the timings."""
         workload, t0 = self.recipe.workload, time.perf_counter()
-        # On threads that end with them: no OpenMP workers outlive a build (docs/runtimes.md, "torch shares that OpenMP runtime").
-        engine = in_own_thread(lambda: self.build(plan, machine=machine, progress=self.progress, max_new_tokens=workload.max_new_tokens))
-        timings = {"build_s": round(time.perf_counter() - t0, 2)}
-        timings.update({name: round(seconds, 2) for name, seconds in in_own_thread(engine.prepare, self._requests, workload).items()})
-        return engine, timings
+        build = lambda: self.build(plan, machine=machine, progress=self.progress, max_new_tokens=workload.max_new_tokens)  # noqa: E731
+        engine = in_own_thread(build, name="fractal-opt build")  # on a thread that ends: no OpenMP workers outlive it (core.threads)
+        built_s = round(time.perf_counter() - t0, 2)
+        prepared = in_own_thread(engine.prepare, self._requests, workload, name="fractal-opt build")
+        return engine, {"build_s": built_s, **{name: round(seconds, 2) for name, seconds in prepared.items()}}
 
     def _skip(self, step: Step, label: str, reason: str) -> None:  # a step not tried, and why
         step.status, step.reason = "skipped", reason

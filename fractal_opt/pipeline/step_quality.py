@@ -22,10 +22,10 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..core.threads import in_own_thread
 from ..engine.protocol import Engine
 from ..language.recipe import Recipe
 from ..measure.metrics import Measurement
-from ..measure.runner import in_own_thread
 from ..quality.evals import AUTO, eval_choice, fitting, load_eval_set, matches, score_answers
 from ..quality.probes import agreement, build_reference, model_probes
 from ..tower.passes import Layer
@@ -61,9 +61,9 @@ class StepQuality:
 
     def score_reference(self, engine: Engine, outputs: dict[str, list[int]] | None = None) -> None:
         """Score the reference text on the baseline's ``engine`` (``outputs``: its greedy answers, when known).
-        On a thread of its own, as every scoring here (:func:`~fractal_opt.measure.runner.in_own_thread`):
+        On a thread of its own, as every scoring here (:func:`~fractal_opt.core.threads.in_own_thread`):
         the step's thread outlives it, and OpenMP workers it left would slow the rounds after."""
-        self.reference = in_own_thread(build_reference, engine, {}, self.config)
+        self.reference = in_own_thread(build_reference, engine, {}, self.config, name="fractal-opt quality")
         if outputs is not None:
             self.reference.outputs = outputs
 
@@ -75,7 +75,8 @@ class StepQuality:
               is_baseline: bool = False) -> dict[str, Any]:
         """The quality of ``engine`` (its measurement ``m``) against the baseline, scored on a
         thread of its own that ends with it (see :meth:`score_reference`)."""
-        return in_own_thread(lambda: self._score(engine, m, label, requests=requests, baseline_eval=baseline_eval, is_baseline=is_baseline))
+        return in_own_thread(lambda: self._score(engine, m, label, requests=requests, baseline_eval=baseline_eval, is_baseline=is_baseline),
+                             name="fractal-opt quality")
 
     def _score(self, engine: Engine, m: Measurement, label: str, *, requests: Sequence[Request], baseline_eval: Any,
                is_baseline: bool) -> dict[str, Any]:

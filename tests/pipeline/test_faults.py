@@ -333,10 +333,10 @@ def test_a_python_hang_is_stopped_at_the_deadline():
 
 
 def test_a_hang_on_a_thread_of_its_own_is_stopped_with_the_step():
-    """Work the step hands to a thread of its own (a round, the quality gate: measure.runner.in_own_thread)
+    """Work the step hands to a thread of its own (a round, the quality gate: core.threads.in_own_thread)
     is stopped with it: the StepTimeout that interrupts the step's join() is passed on, though the
     interrupted join() makes that thread look stopped, and no thread is left spinning."""
-    from fractal_opt.measure.runner import in_own_thread
+    from fractal_opt.core.threads import in_own_thread
 
     def spin():
         while True:

@@ -56,6 +56,7 @@ def test_a_lost_required_question_ends_the_quality_gate_there(quality):
     required = [i.request.id for i in quality.eval_items if i.required]
     assert engine.calls == [required] and quality.probed == []
     assert out["eval_required_lost"] == 1 and out["eval_required_lost_ids"] == ["readme-france"]
+    assert out["eval_required_answers"] == {"readme-france": "no idea"}  # what it answered, for the trace's reader
     assert "accuracy" not in out and f"the other {len(quality.eval_items) - len(required)} answer" in out["eval_stopped"]
     [guard] = [g for g in Policy().guards_for(Layer.MODEL) if g.metric == "eval_required_lost"]
     assert "readme-france answered wrong" in guard.check(Evidence(after=out)).trips[0]
